@@ -1,0 +1,34 @@
+# EAGLE-3 draft pipeline: target LLM + prompt set -> trained, verified EAGLE-3 draft for vLLM.
+# Read rules/ in this order to see the whole DAG:
+#   target -> prompts -> traces -> tokenize -> hidden_states -> train -> verify
+import os
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+# The demo default, unless the user passes --configfile (then only theirs is read, so a
+# config for another target never inherits demo keys by accident).
+if not workflow.overwrite_configfiles:
+
+    configfile: os.path.join(workflow.basedir, "config.yaml")
+
+
+validate(config, os.path.join(workflow.basedir, "schemas/config.schema.yaml"))
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prompts.smk"
+include: "rules/traces.smk"
+include: "rules/tokenize.smk"
+include: "rules/hidden_states.smk"
+include: "rules/train.smk"
+include: "rules/verify.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_outputs(),

@@ -1,0 +1,129 @@
+# Helpers shared by every rule: paths, per-stage settings and resources, code versions.
+# Nothing here writes files: parse-time writes would dirty the DAG on every `snakemake -n`.
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
+from pipeline_lib.assets import resolve_asset  # noqa: E402
+
+# Every job runs with the interpreter that runs Snakemake (the pipeline's venv).
+PY = sys.executable
+SCRIPTS = str(Path(workflow.basedir) / "scripts")
+R = f"results/{config['run_name']}"
+TRACE_SHARDS = config["generation"]["num_shards"]
+HS_SHARDS = config["hidden_states"]["num_shards"]
+VARIANTS = sorted(config["variants"])
+
+# Jobs that only move or summarise files run on the submitting host, even under SLURM.
+localrules:
+    all,
+    traces_gather,
+    hidden_states_gather,
+    compare_variants,
+
+
+wildcard_constraints:
+    shard=r"\d+",
+    variant=r"[A-Za-z0-9._-]+",
+
+
+def settings(section, **extra):
+    """The config subset that defines a stage, as JSON for the script's --settings.
+
+    Passed through `params:` so that Snakemake's params trigger reruns exactly the stages
+    whose settings changed (and nothing downstream of an unchanged stage)."""
+    value = dict(config[section]) if isinstance(config[section], dict) else config[section]
+    value.update(extra)
+    return json.dumps(value, sort_keys=True)
+
+
+def variant_settings(variant):
+    merged = dict(config["train"])
+    merged.update(config["variants"][variant] or {})
+    return json.dumps(merged, sort_keys=True)
+
+
+def code_version(*scripts):
+    """Digest of a rule's script plus the shared library it imports.
+
+    Snakemake's code trigger only sees the `shell:` text, not the script it calls; putting
+    this digest in `params:` makes an edited script rerun its rule and everything after it."""
+    h = hashlib.sha256()
+    paths = [Path(SCRIPTS) / s for s in scripts]
+    paths += sorted((Path(SCRIPTS) / "pipeline_lib").rglob("*.py"))
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stage_resources(stage):
+    res = dict(config["resources"].get("default") or {})
+    res.update(config["resources"].get(stage) or {})
+    return res
+
+
+def res(stage, key):
+    return stage_resources(stage)[key]
+
+
+def target_source_inputs(wildcards):
+    """The local file(s) the target is built from, so a changed file reruns the target."""
+    t = config["target"]
+    if t["source"] in ("local", "gguf") and t["path"]:
+        p = Path(resolve_asset(t["path"]))
+        return [str(p / "config.json")] if p.is_dir() else [str(p)]
+    return []
+
+
+def prompt_source_inputs(split):
+    src = config["prompts"][split]["source"] if split == "eval" else None
+    if split == "eval" and src is None:
+        src = config["prompts"]["train"]["source"]
+    if split == "train":
+        src = config["prompts"]["train"]["source"]
+
+    def _inputs(wildcards):
+        try:
+            p = Path(resolve_asset(src))
+        except FileNotFoundError:
+            return []
+        return [str(p)] if p.is_file() else []
+
+    return _inputs
+
+
+def trace_shards(wildcards):
+    return expand(f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.jsonl", shard=range(TRACE_SHARDS))
+
+
+def hidden_state_shards(wildcards):
+    return expand(f"{R}/hidden_states/shards/{{shard}}-of-{HS_SHARDS}.json", shard=range(HS_SHARDS))
+
+
+def report_outputs(variant):
+    return [f"{R}/drafts/{variant}/report/{name}" for name in ("verification.json", "report.md", "report.html")]
+
+
+def all_outputs():
+    outs = []
+    for v in VARIANTS:
+        outs += report_outputs(v)
+        outs.append(f"{R}/drafts/{v}/load_check.json")
+    outs.append(f"{R}/drafts/comparison.csv")
+    return outs
+
+
+def provenance_chain(variant):
+    """Every provenance.json the draft of `variant` descends from, prompts to draft."""
+    return [
+        f"{R}/target/provenance.json",
+        f"{R}/prompts/train.provenance.json",
+        f"{R}/prompts/eval.provenance.json",
+        f"{R}/traces/provenance.json",
+        f"{R}/tokenized/provenance.json",
+        f"{R}/hidden_states/provenance.json",
+        f"{R}/drafts/{variant}/provenance.json",
+    ]

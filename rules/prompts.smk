@@ -1,0 +1,47 @@
+# Stage 2 - prompts: load the prompt sets through `datasets`, map their fields to chat
+# messages, drop exact duplicates, split train/eval by seed, cap by num_samples.
+# Train and eval are separate rules so that changing the eval set reruns verification only.
+
+
+rule prompts_train:
+    input:
+        prompt_source_inputs("train"),
+    output:
+        prompts=f"{R}/prompts/train.jsonl",
+        provenance=f"{R}/prompts/train.provenance.json",
+    params:
+        settings=lambda wc: settings("prompts"),
+        code=code_version("prepare_prompts.py"),
+    log:
+        f"{R}/logs/prompts_train.log",
+    benchmark:
+        f"{R}/benchmarks/prompts_train.tsv"
+    threads: 1
+    resources:
+        mem_mb=res("default", "mem_mb"),
+        runtime=res("default", "runtime"),
+    shell:
+        "{PY} {SCRIPTS}/prepare_prompts.py --split train --settings {params.settings:q}"
+        " --out {output.prompts} --provenance {output.provenance} > {log} 2>&1"
+
+
+rule prompts_eval:
+    input:
+        prompt_source_inputs("eval"),
+    output:
+        prompts=f"{R}/prompts/eval.jsonl",
+        provenance=f"{R}/prompts/eval.provenance.json",
+    params:
+        settings=lambda wc: settings("prompts"),
+        code=code_version("prepare_prompts.py"),
+    log:
+        f"{R}/logs/prompts_eval.log",
+    benchmark:
+        f"{R}/benchmarks/prompts_eval.tsv"
+    threads: 1
+    resources:
+        mem_mb=res("default", "mem_mb"),
+        runtime=res("default", "runtime"),
+    shell:
+        "{PY} {SCRIPTS}/prepare_prompts.py --split eval --settings {params.settings:q}"
+        " --out {output.prompts} --provenance {output.provenance} > {log} 2>&1"

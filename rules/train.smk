@@ -1,0 +1,62 @@
+# Stage 6 - train: one EAGLE-3 draft per variant with speculators' trainer; final/ is the
+# vLLM-loadable draft (best or last epoch), untrained/ the same draft before any step (the
+# verification baseline). Epoch checkpoints live in checkpoints/, outside the declared
+# outputs, so an interrupted run resumes from its latest epoch.
+
+
+rule train_draft:
+    input:
+        target=f"{R}/target/model",
+        target_manifest=f"{R}/target/manifest.json",
+        data=f"{R}/hidden_states/data",
+        hs_manifest=f"{R}/hidden_states/manifest.json",
+    output:
+        final=directory(f"{R}/drafts/{{variant}}/final"),
+        untrained=directory(f"{R}/drafts/{{variant}}/untrained"),
+        metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
+        provenance=f"{R}/drafts/{{variant}}/provenance.json",
+    params:
+        settings=lambda wc: variant_settings(wc.variant),
+        code=code_version("train_draft.py"),
+        checkpoints=lambda wc: f"{R}/drafts/{wc.variant}/checkpoints",
+    log:
+        f"{R}/logs/train/{{variant}}.log",
+    benchmark:
+        f"{R}/benchmarks/train/{{variant}}.tsv"
+    threads: res("train", "threads")
+    resources:
+        mem_mb=res("train", "mem_mb"),
+        runtime=res("train", "runtime"),
+        gpu=res("train", "gpu"),
+        nodes=res("train", "nodes"),
+    shell:
+        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
+        " {PY} {SCRIPTS}/train_draft.py --settings {params.settings:q}"
+        " --target {input.target} --target-manifest {input.target_manifest}"
+        " --data {input.data} --hs-manifest {input.hs_manifest}"
+        " --checkpoints {params.checkpoints} --gpus {resources.gpu} --nodes {resources.nodes}"
+        " --final {output.final} --untrained {output.untrained} --metrics {output.metrics}"
+        " --provenance {output.provenance} > {log} 2>&1"
+
+
+rule load_check:
+    input:
+        target=f"{R}/target/model",
+        draft=f"{R}/drafts/{{variant}}/final",
+    output:
+        f"{R}/drafts/{{variant}}/load_check.json",
+    params:
+        code=code_version("load_check.py"),
+    log:
+        f"{R}/logs/load_check/{{variant}}.log",
+    benchmark:
+        f"{R}/benchmarks/load_check/{{variant}}.tsv"
+    threads: res("verify", "threads")
+    resources:
+        mem_mb=res("verify", "mem_mb"),
+        runtime=res("verify", "runtime"),
+        gpu=res("verify", "gpu"),
+    shell:
+        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
+        " {PY} {SCRIPTS}/load_check.py --target {input.target} --draft {input.draft}"
+        " --out {output} > {log} 2>&1"

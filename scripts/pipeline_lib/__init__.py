@@ -1,0 +1,1 @@
+"""Shared helpers for the pipeline's scripts (one script per Snakemake rule)."""

@@ -1,0 +1,36 @@
+"""The argument parser every script starts from: `--settings` carries the config section
+that defines the stage (as JSON, from the Snakefile's params), so scripts also run by hand."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .errors import PipelineError
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", default="{}", type=_json_arg,
+                   help="JSON object with this stage's config section (see config.yaml); "
+                        "'@file.json' reads it from a file")
+    return p
+
+
+def _json_arg(text: str) -> dict[str, Any]:
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--settings is not valid JSON: {err}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--settings must be a JSON object")
+    return value
+
+
+def require(settings: dict, key: str, section: str) -> Any:
+    if key not in settings:
+        raise PipelineError(f"setting {section}.{key} is missing; set it in config.yaml")
+    return settings[key]

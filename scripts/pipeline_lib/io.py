@@ -1,0 +1,122 @@
+"""File writes that never leave a half-written file under its final name."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from .errors import PipelineError
+
+
+def _tmp_sibling(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    tmp = _tmp_sibling(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
+    path = Path(path)
+    tmp = _tmp_sibling(path)
+    n = 0
+    try:
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+                n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
+
+
+class atomic_dir:
+    """Build a directory under a temporary name, rename it into place on success.
+
+        with atomic_dir(out) as tmp:
+            write files into tmp
+    An existing directory at `out` is replaced only after the new one is complete."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __enter__(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.path, old)
+            os.replace(self.tmp, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.path)
+        return False
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """Yield (line_number, row); a malformed line raises an error naming file and line."""
+    path = Path(path)
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PipelineError(
+                    f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno}); "
+                    f"fix or remove that line"
+                ) from None
+            if not isinstance(row, dict):
+                raise PipelineError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            yield lineno, row
+
+
+def append_jsonl_durable(f, row: dict) -> None:
+    """Append one row and fsync, so a killed job keeps every row it reported as done."""
+    f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise PipelineError(f"{path}: {what} not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{path}: {what} is not valid JSON ({err})") from None

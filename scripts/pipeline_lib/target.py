@@ -1,0 +1,60 @@
+"""Reading a materialized target: its (text) config, layer count, aux layer ids, digests.
+
+Multimodal targets nest the language model's config under `text_config` and its weights
+under a `language_model.` prefix; every reader here goes through text_config()."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import PipelineError
+from .io import read_json
+
+
+def load_config(target_dir: str | Path) -> dict[str, Any]:
+    path = Path(target_dir) / "config.json"
+    if not path.exists():
+        raise PipelineError(f"{path}: target has no config.json; is {target_dir} a HF model dir?")
+    return json.loads(path.read_text())
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config") or config
+
+
+def num_layers(config: dict[str, Any]) -> int:
+    return int(text_config(config)["num_hidden_layers"])
+
+
+def default_aux_layer_ids(n_layers: int) -> list[int]:
+    """speculators' default: early, middle and late residual streams."""
+    return [2, n_layers // 2, n_layers - 3]
+
+
+def resolve_aux_layer_ids(configured: list[int] | None, n_layers: int, setting: str = "hidden_states.aux_layer_ids") -> list[int]:
+    ids = default_aux_layer_ids(n_layers) if configured is None else list(configured)
+    origin = "speculators' default for a {}-layer target".format(n_layers) if configured is None else setting
+    if len(set(ids)) != len(ids):
+        raise PipelineError(f"{setting} = {ids}: duplicated layer ids ({origin}); give distinct ids"
+                            + (" (targets with 6 or fewer layers need explicit ids)" if configured is None else ""))
+    if ids != sorted(ids):
+        raise PipelineError(f"{setting} = {ids}: layer ids must be in increasing order; use {sorted(ids)}")
+    bad = [i for i in ids if i < 1 or i >= n_layers]
+    if bad:
+        raise PipelineError(f"{setting} = {ids}: ids {bad} out of range for a target with "
+                            f"{n_layers} layers (valid: 1..{n_layers - 1}); the final layer "
+                            f"({n_layers}) is always added")
+    return ids
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    return read_json(path, "target manifest")
+
+
+def has_chat_template(target_dir: str | Path) -> bool:
+    d = Path(target_dir)
+    if (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists():
+        return True
+    tok_cfg = d / "tokenizer_config.json"
+    return tok_cfg.exists() and bool(json.loads(tok_cfg.read_text()).get("chat_template"))

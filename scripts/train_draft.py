@@ -1,0 +1,2 @@
+#!/usr/bin/env python
+raise SystemExit("not implemented yet")

