@@ -7,8 +7,10 @@ PY := $(VENV)/bin/python
 SNAKEMAKE := $(VENV)/bin/snakemake
 CORES ?= 2
 PYTEST_ARGS ?=
+# Rules call `python`: make it the venv's.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: env demo test lint dry-run plan clean-demo
+.PHONY: env demo test lint dry-run plan check-provenance
 
 env:
 	@bash scripts/setup_env.sh $(VENV)
@@ -27,5 +29,10 @@ lint: env
 dry-run: env
 	$(SNAKEMAKE) --profile profiles/default -n
 
-clean-demo:
-	@echo "[clean] results/ is never deleted by make; remove results/<run_name> by hand if you mean it."
+plan: env
+	$(SNAKEMAKE) --profile profiles/default plan
+
+
+# Verify a finished results tree against the digests its provenance files recorded.
+check-provenance: env
+	$(PY) scripts/check_provenance.py results/$(or $(RUN),smollm2-135m-demo)

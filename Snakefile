@@ -26,6 +26,7 @@ include: "rules/tokenize.smk"
 include: "rules/hidden_states.smk"
 include: "rules/train.smk"
 include: "rules/verify.smk"
+include: "rules/plan.smk"
 
 
 rule all:

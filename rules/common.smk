@@ -2,15 +2,17 @@
 # Nothing here writes files: parse-time writes would dirty the DAG on every `snakemake -n`.
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
 from pipeline_lib.assets import resolve_asset  # noqa: E402
 
-# Every job runs with the interpreter that runs Snakemake (the pipeline's venv).
-PY = sys.executable
+# Jobs call `python` from PATH: the venv's (make/tests put .venv/bin first), or the conda env
+# below under `--sdm conda`.
 SCRIPTS = str(Path(workflow.basedir) / "scripts")
+CONDA_ENV = "../envs/conda-cuda.yaml" if os.environ.get("PIPELINE_STACK") == "cuda" else "../envs/conda-cpu.yaml"
 R = f"results/{config['run_name']}"
 TRACE_SHARDS = config["generation"]["num_shards"]
 HS_SHARDS = config["hidden_states"]["num_shards"]
@@ -22,6 +24,7 @@ localrules:
     traces_gather,
     hidden_states_gather,
     compare_variants,
+    plan,
 
 
 wildcard_constraints:
@@ -127,3 +130,14 @@ def provenance_chain(variant):
         f"{R}/hidden_states/provenance.json",
         f"{R}/drafts/{variant}/provenance.json",
     ]
+
+
+def invoked_as_dry_run():
+    """Snakemake sets workflow.dryrun only after parsing; the plan is printed while parsing."""
+    return any(a in ("-n", "--dry-run", "--dryrun") or (a.startswith("-") and not a.startswith("--") and "n" in a[1:] and len(a) <= 4 and a[1:].isalpha())
+               for a in sys.argv[1:])
+
+
+def script(name):
+    """A rule's program, declared as an input: editing it reruns the rule (input checksum)."""
+    return str(Path(SCRIPTS) / name)

@@ -7,6 +7,8 @@
 
 rule hidden_states_shard:
     input:
+        script=script("extract_hidden_states.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         manifest=f"{R}/target/manifest.json",
         data=f"{R}/tokenized/data",
@@ -14,9 +16,12 @@ rule hidden_states_shard:
     output:
         shard=f"{R}/hidden_states/shards/{{shard}}-of-{HS_SHARDS}.json",
     params:
+        num_shards=HS_SHARDS,
         settings=lambda wc: settings("hidden_states", trust_remote_code=config["target"]["trust_remote_code"]),
         code=code_version("extract_hidden_states.py"),
         store=f"{R}/hidden_states/store",
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/hidden_states/{{shard}}-of-{HS_SHARDS}.log",
     benchmark:
@@ -27,15 +32,16 @@ rule hidden_states_shard:
         runtime=res("hidden_states", "runtime"),
         gpu=res("hidden_states", "gpu"),
     shell:
-        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
-        " {PY} {SCRIPTS}/extract_hidden_states.py --settings {params.settings:q}"
+        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {input.script} --settings {params.settings:q}"
         " --target {input.target} --manifest {input.manifest} --data {input.data}"
-        " --shard {wildcards.shard} --num-shards {HS_SHARDS} --store-dir {params.store}"
+        " --shard {wildcards.shard} --num-shards {params.num_shards} --store-dir {params.store}"
         " --out {output.shard} > {log} 2>&1"
 
 
 rule hidden_states_gather:
     input:
+        script=script("gather_hidden_states.py"),
         shards=hidden_state_shards,
         data=f"{R}/tokenized/data",
         token_freq=f"{R}/tokenized/token_freq.pt",
@@ -45,12 +51,14 @@ rule hidden_states_gather:
         provenance=f"{R}/hidden_states/provenance.json",
     params:
         code=code_version("gather_hidden_states.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/hidden_states_gather.log",
     benchmark:
         f"{R}/benchmarks/hidden_states_gather.tsv"
     threads: 1
     shell:
-        "{PY} {SCRIPTS}/gather_hidden_states.py --shards {input.shards} --data {input.data}"
+        "python {input.script} --shards {input.shards} --data {input.data}"
         " --token-freq {input.token_freq} --out-data {output.data}"
         " --manifest {output.manifest} --provenance {output.provenance} > {log} 2>&1"

@@ -6,12 +6,15 @@
 rule prompts_train:
     input:
         prompt_source_inputs("train"),
+        script=script("prepare_prompts.py"),
     output:
         prompts=f"{R}/prompts/train.jsonl",
         provenance=f"{R}/prompts/train.provenance.json",
     params:
         settings=lambda wc: settings("prompts"),
         code=code_version("prepare_prompts.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/prompts_train.log",
     benchmark:
@@ -21,19 +24,22 @@ rule prompts_train:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "{PY} {SCRIPTS}/prepare_prompts.py --split train --settings {params.settings:q}"
+        "python {input.script} --split train --settings {params.settings:q}"
         " --out {output.prompts} --provenance {output.provenance} > {log} 2>&1"
 
 
 rule prompts_eval:
     input:
         prompt_source_inputs("eval"),
+        script=script("prepare_prompts.py"),
     output:
         prompts=f"{R}/prompts/eval.jsonl",
         provenance=f"{R}/prompts/eval.provenance.json",
     params:
         settings=lambda wc: settings("prompts"),
         code=code_version("prepare_prompts.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/prompts_eval.log",
     benchmark:
@@ -43,5 +49,5 @@ rule prompts_eval:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "{PY} {SCRIPTS}/prepare_prompts.py --split eval --settings {params.settings:q}"
+        "python {input.script} --split eval --settings {params.settings:q}"
         " --out {output.prompts} --provenance {output.provenance} > {log} 2>&1"

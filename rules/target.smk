@@ -5,6 +5,7 @@
 rule target:
     input:
         target_source_inputs,
+        script=script("materialize_target.py"),
     output:
         model=directory(f"{R}/target/model"),
         manifest=f"{R}/target/manifest.json",
@@ -12,6 +13,8 @@ rule target:
     params:
         settings=lambda wc: settings("target"),
         code=code_version("materialize_target.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/target.log",
     benchmark:
@@ -21,6 +24,6 @@ rule target:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "{PY} {SCRIPTS}/materialize_target.py --settings {params.settings:q}"
+        "python {input.script} --settings {params.settings:q}"
         " --out-dir {output.model} --manifest {output.manifest}"
         " --provenance {output.provenance} > {log} 2>&1"

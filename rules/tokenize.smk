@@ -5,6 +5,7 @@
 
 rule tokenize:
     input:
+        script=script("tokenize_traces.py"),
         target=f"{R}/target/model",
         manifest=f"{R}/target/manifest.json",
         traces=f"{R}/traces/traces.jsonl",
@@ -16,6 +17,8 @@ rule tokenize:
     params:
         settings=lambda wc: settings("tokenize", trust_remote_code=config["target"]["trust_remote_code"]),
         code=code_version("tokenize_traces.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/tokenize.log",
     benchmark:
@@ -25,7 +28,7 @@ rule tokenize:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "{PY} {SCRIPTS}/tokenize_traces.py --settings {params.settings:q}"
+        "python {input.script} --settings {params.settings:q}"
         " --target {input.target} --manifest {input.manifest} --traces {input.traces}"
         " --out-data {output.data} --token-freq {output.token_freq} --stats {output.stats}"
         " --provenance {output.provenance} > {log} 2>&1"

@@ -6,6 +6,8 @@
 
 rule traces_shard:
     input:
+        script=script("generate_traces.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         manifest=f"{R}/target/manifest.json",
         prompts=f"{R}/prompts/train.jsonl",
@@ -13,9 +15,12 @@ rule traces_shard:
         shard=f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.jsonl",
         summary=f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.summary.json",
     params:
+        num_shards=TRACE_SHARDS,
         settings=lambda wc: settings("generation", trust_remote_code=config["target"]["trust_remote_code"]),
         code=code_version("generate_traces.py"),
         cache=f"{R}/traces/cache",
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/traces/{{shard}}-of-{TRACE_SHARDS}.log",
     benchmark:
@@ -26,15 +31,16 @@ rule traces_shard:
         runtime=res("traces", "runtime"),
         gpu=res("traces", "gpu"),
     shell:
-        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
-        " {PY} {SCRIPTS}/generate_traces.py --settings {params.settings:q}"
+        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {input.script} --settings {params.settings:q}"
         " --target {input.target} --manifest {input.manifest} --prompts {input.prompts}"
-        " --shard {wildcards.shard} --num-shards {TRACE_SHARDS} --cache-dir {params.cache}"
+        " --shard {wildcards.shard} --num-shards {params.num_shards} --cache-dir {params.cache}"
         " --out {output.shard} --summary {output.summary} > {log} 2>&1"
 
 
 rule traces_gather:
     input:
+        script=script("gather_traces.py"),
         shards=trace_shards,
     output:
         traces=f"{R}/traces/traces.jsonl",
@@ -42,11 +48,13 @@ rule traces_gather:
         provenance=f"{R}/traces/provenance.json",
     params:
         code=code_version("gather_traces.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/traces_gather.log",
     benchmark:
         f"{R}/benchmarks/traces_gather.tsv"
     threads: 1
     shell:
-        "{PY} {SCRIPTS}/gather_traces.py --shards {input.shards} --out {output.traces}"
+        "python {input.script} --shards {input.shards} --out {output.traces}"
         " --summary {output.summary} --provenance {output.provenance} > {log} 2>&1"

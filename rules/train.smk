@@ -6,6 +6,8 @@
 
 rule train_draft:
     input:
+        script=script("train_draft.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         target_manifest=f"{R}/target/manifest.json",
         data=f"{R}/hidden_states/data",
@@ -19,6 +21,8 @@ rule train_draft:
         settings=lambda wc: variant_settings(wc.variant),
         code=code_version("train_draft.py"),
         checkpoints=lambda wc: f"{R}/drafts/{wc.variant}/checkpoints",
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/train/{{variant}}.log",
     benchmark:
@@ -30,8 +34,8 @@ rule train_draft:
         gpu=res("train", "gpu"),
         nodes=res("train", "nodes"),
     shell:
-        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
-        " {PY} {SCRIPTS}/train_draft.py --settings {params.settings:q}"
+        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {input.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
         " --data {input.data} --hs-manifest {input.hs_manifest}"
         " --checkpoints {params.checkpoints} --gpus {resources.gpu} --nodes {resources.nodes}"
@@ -41,12 +45,16 @@ rule train_draft:
 
 rule load_check:
     input:
+        script=script("load_check.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         draft=f"{R}/drafts/{{variant}}/final",
     output:
         f"{R}/drafts/{{variant}}/load_check.json",
     params:
         code=code_version("load_check.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/load_check/{{variant}}.log",
     benchmark:
@@ -57,6 +65,6 @@ rule load_check:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
-        " {PY} {SCRIPTS}/load_check.py --target {input.target} --draft {input.draft}"
+        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {input.script} --target {input.target} --draft {input.draft}"
         " --out {output} > {log} 2>&1"

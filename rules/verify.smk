@@ -5,6 +5,7 @@
 
 rule contract_checks:
     input:
+        script=script("check_contract.py"),
         target=f"{R}/target/model",
         target_manifest=f"{R}/target/manifest.json",
         draft=f"{R}/drafts/{{variant}}/final",
@@ -15,6 +16,8 @@ rule contract_checks:
     params:
         settings=lambda wc: settings("verify"),
         code=code_version("check_contract.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/contract_checks/{{variant}}.log",
     benchmark:
@@ -24,7 +27,7 @@ rule contract_checks:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "{PY} {SCRIPTS}/check_contract.py --settings {params.settings:q}"
+        "python {input.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
         " --draft {input.draft} --hs-manifest {input.hs_manifest}"
         " --tokenized-stats {input.tokenized_stats} --out {output} > {log} 2>&1"
@@ -32,6 +35,8 @@ rule contract_checks:
 
 rule acceptance:
     input:
+        script=script("measure_acceptance.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         draft=f"{R}/drafts/{{variant}}/final",
         untrained=f"{R}/drafts/{{variant}}/untrained",
@@ -41,6 +46,8 @@ rule acceptance:
     params:
         settings=lambda wc: settings("verify", reasoning_parser=config["generation"]["reasoning_parser"]),
         code=code_version("measure_acceptance.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/acceptance/{{variant}}.log",
     benchmark:
@@ -51,14 +58,15 @@ rule acceptance:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "{PY} {SCRIPTS}/run_on_gpus.py --gpus {resources.gpu} --"
-        " {PY} {SCRIPTS}/measure_acceptance.py --settings {params.settings:q}"
+        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {input.script} --settings {params.settings:q}"
         " --target {input.target} --draft {input.draft} --untrained {input.untrained}"
         " --prompts {input.prompts} --out {output} > {log} 2>&1"
 
 
 rule report:
     input:
+        script=script("make_report.py"),
         contract=f"{R}/drafts/{{variant}}/verify/contract.json",
         acceptance=f"{R}/drafts/{{variant}}/verify/acceptance.json",
         metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
@@ -70,6 +78,8 @@ rule report:
     params:
         settings=lambda wc: settings("verify"),
         code=code_version("make_report.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/report/{{variant}}.log",
     benchmark:
@@ -79,23 +89,26 @@ rule report:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "{PY} {SCRIPTS}/make_report.py --settings {params.settings:q} --variant {wildcards.variant}"
+        "python {input.script} --settings {params.settings:q} --variant {wildcards.variant}"
         " --contract {input.contract} --acceptance {input.acceptance} --metrics {input.metrics}"
-        " --provenance {input.provenance} --out-dir {R}/drafts/{wildcards.variant}/report"
+        " --provenance {input.provenance} --out-dir $(dirname {output.verification})"
         " > {log} 2>&1"
 
 
 rule compare_variants:
     input:
-        expand(f"{R}/drafts/{{variant}}/report/verification.json", variant=VARIANTS),
+        script=script("compare_variants.py"),
+        reports=expand(f"{R}/drafts/{{variant}}/report/verification.json", variant=VARIANTS),
     output:
         report(f"{R}/drafts/comparison.csv", category="Verification", labels={"file": "comparison.csv"}),
     params:
         code=code_version("compare_variants.py"),
+    conda:
+        CONDA_ENV
     log:
         f"{R}/logs/compare_variants.log",
     benchmark:
         f"{R}/benchmarks/compare_variants.tsv"
     threads: 1
     shell:
-        "{PY} {SCRIPTS}/compare_variants.py --reports {input} --out {output} > {log} 2>&1"
+        "python {input.script} --reports {input.reports} --out {output} > {log} 2>&1"

@@ -21,6 +21,8 @@ PY = sys.executable
 CACHE = REPO / "tests" / ".cache"
 sys.path.insert(0, str(SCRIPTS))
 
+# Rules call `python` from PATH: make it this interpreter's venv.
+os.environ["PATH"] = f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 # vLLM on CPU: small KV cache, no usage stats, nothing from a hub.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Verify a finished results tree against its provenance: every input and output digest
+recorded in every provenance.json must still match what is on disk.
+
+    python scripts/check_provenance.py results/smollm2-135m-demo
+Exit 0 when everything matches; 1 with one line per mismatch naming the artifact."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_lib.digests import path_digest  # noqa: E402
+from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
+from pipeline_lib.io import read_json  # noqa: E402
+
+
+def check_tree(root: Path) -> tuple[int, list[str]]:
+    files = sorted(root.rglob("provenance.json")) + sorted(root.rglob("*.provenance.json"))
+    if not files:
+        raise PipelineError(f"{root}: no provenance.json found; is this a results/<run_name> dir?")
+    checked, problems, cache = 0, [], {}
+    for prov_path in files:
+        prov = read_json(prov_path, "provenance")
+        artifact = prov_path.parent.relative_to(root) if prov_path.name == "provenance.json" else prov_path.relative_to(root)
+        for kind in ("inputs", "outputs"):
+            for name, entry in (prov.get(kind) or {}).items():
+                path = Path(entry["path"])
+                checked += 1
+                if not path.exists():
+                    problems.append(f"{artifact} ({prov['rule']}): {kind[:-1]} '{name}' missing: {path}")
+                    continue
+                key = str(path.resolve())
+                if key not in cache:
+                    cache[key] = path_digest(path)
+                if cache[key] != entry["digest"]:
+                    problems.append(f"{artifact} ({prov['rule']}): {kind[:-1]} '{name}' changed since it was "
+                                    f"recorded: {path} (recorded {entry['digest'][:19]}..., now {cache[key][:19]}...)")
+    return checked, problems
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", type=Path, help="a results/<run_name> directory")
+    args = p.parse_args()
+    checked, problems = check_tree(args.results)
+    for line in problems:
+        print(f"MISMATCH {line}")
+    print(f"{checked} recorded digests checked, {len(problems)} mismatches")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    run_main(main)
