@@ -1,0 +1,113 @@
+"""The workflow as a whole: lint, config validation, dry-run job lists, the plan."""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import PY, REPO, run_snakemake, write_config
+
+EXPECTED_JOBS_TEST = {
+    "target": 1, "prompts_train": 1, "prompts_eval": 1, "traces_shard": 2, "traces_gather": 1,
+    "tokenize": 1, "hidden_states_shard": 2, "hidden_states_gather": 1, "train_draft": 1,
+    "load_check": 1, "contract_checks": 1, "acceptance": 1, "report": 1, "compare_variants": 1, "all": 1,
+}
+
+
+def planned_jobs(output: str) -> dict[str, int]:
+    """Parse Snakemake's 'Job stats' table into {rule: count}."""
+    stats = output.split("Job stats:", 1)
+    if len(stats) < 2:
+        return {}
+    jobs = {}
+    for line in stats[1].splitlines()[3:]:
+        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if not m:
+            break
+        if m.group(1) != "total":
+            jobs[m.group(1)] = int(m.group(2))
+    return jobs
+
+
+def test_lint_is_clean():
+    proc = subprocess.run([PY, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Congratulations, your workflow is in a good condition" in proc.stdout + proc.stderr
+
+
+def test_dry_run_default_config_lists_every_stage(tmp_path):
+    proc = subprocess.run([PY, "-m", "snakemake", "-n", "-d", str(tmp_path), "--cores", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    jobs = planned_jobs(proc.stdout + proc.stderr)
+    assert jobs["traces_shard"] == 2 and jobs["hidden_states_shard"] == 1
+    assert set(jobs) == set(EXPECTED_JOBS_TEST), jobs
+    # The plan is printed before Snakemake's job list, with estimates, and nothing was written.
+    assert "hidden states: <=" in proc.stderr and "GPU-hours" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_dry_run_test_config_lists_expected_jobs(tmp_path, test_config):
+    proc = run_snakemake(tmp_path, test_config, "-n")
+    assert planned_jobs(proc.stdout + proc.stderr) == EXPECTED_JOBS_TEST
+
+
+def test_variants_add_only_their_own_jobs(tmp_path, test_config):
+    test_config["variants"] = {"default": {}, "wide-vocab": {"draft_vocab_size": 1024}, "lr-high": {"lr": 0.01}}
+    jobs = planned_jobs((p := run_snakemake(tmp_path, test_config, "-n")).stdout + p.stderr)
+    for rule in ("train_draft", "load_check", "contract_checks", "acceptance", "report"):
+        assert jobs[rule] == 3, (rule, jobs)
+    for rule in ("target", "traces_gather", "tokenize", "hidden_states_gather"):
+        assert jobs[rule] == 1, (rule, jobs)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"generation": {"max_tokenz": 10}}, "max_tokenz"),
+    ({"generation": {"max_tokens": "many"}}, "max_tokens"),
+    ({"train": {"optimizer": "sgd"}}, "optimizer"),
+    ({"typo_section": {}}, "typo_section"),
+])
+def test_bad_config_names_the_key(tmp_path, test_config, change, expected):
+    for section, value in change.items():
+        if isinstance(test_config.get(section), dict):
+            test_config[section].update(value)
+        else:
+            test_config[section] = value
+    proc = run_snakemake(tmp_path, test_config, "-n", check=False)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert expected in err, err[-3000:]
+    assert not (tmp_path / "results").exists()
+
+
+def test_kimi_scale_plan_is_fast_and_right(tmp_path, test_config):
+    """A 1T-parameter MoE target described by its config only (Kimi-K2.5 scale): 100k prompts,
+    1000 trace shards. Planning must take seconds and the estimates must follow the formulas."""
+    cfg = test_config
+    cfg["run_name"] = "kimi-scale"
+    cfg["target"] = {"source": "hub", "hub_id": "moonshotai/Kimi-K2.5", "revision": "0123456789abcdef"}
+    cfg["prompts"]["train"] = {"source": "mlabonne/open-perfectblend", "format": "sharegpt", "num_samples": 100_000}
+    cfg["generation"].update(num_shards=1000, max_tokens=2048)
+    cfg["tokenize"]["max_seq_len"] = 4096
+    cfg["hidden_states"].update(num_shards=1000, aux_layer_ids=[2, 30, 58])
+    cfg["train"].update(draft_vocab_size=32000, keep_last=2)
+    cfg["plan"] = {"target_shape": {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840,
+                                    "intermediate_size": 18432}, "avg_prompt_tokens": 256}
+    cfg["resources"] = {"traces": {"gpu": 8, "mem_mb": 900000, "runtime": 600, "threads": 64},
+                        "hidden_states": {"gpu": 8, "mem_mb": 900000, "runtime": 600, "threads": 64}}
+    config_path = write_config(tmp_path, cfg)
+    start = time.time()
+    proc = run_snakemake(tmp_path, config_path, "-n", "--quiet", "rules")
+    elapsed = time.time() - start
+    assert elapsed < 60, f"planning took {elapsed:.1f}s"
+    err = proc.stderr
+    tokens = 100_000 * min(256 + 2048, 4096)
+    assert f"<= {100_000 * 2048:,} generated tokens" in err
+    assert f"<= {tokens:,} tokens x 57.3 KB/token" in err  # 4 layers x 7168 x 2 bytes
+    jobs = planned_jobs(proc.stdout + proc.stderr)
+    assert jobs["traces_shard"] == 1000 and jobs["hidden_states_shard"] == 1000
+    assert "traces_shard           x1000  64 / 900000 / 600 / 8" in err
+    # 100k x 2304 tokens x 57,344 B = 13.2 TB: more than this disk has, and the plan says so.
+    assert "13.2 TB" in err and "DOES NOT FIT" in err
