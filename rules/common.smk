@@ -42,6 +42,30 @@ def settings(section, **extra):
     return json.dumps(value, sort_keys=True)
 
 
+def prompt_settings(split):
+    """What defines one prompt split: its own source, plus the train source when eval is
+    held out of it (eval.source null). Changing the eval set never reruns the training side."""
+    p = config["prompts"]
+    held_out = p["eval"]["source"] is None
+    value = {"seed": p["seed"], "eval_held_out": held_out}
+    if split == "train" or held_out:
+        value["train"] = p["train"]
+    if split == "eval":
+        value["eval"] = p["eval"]
+    if held_out:
+        value["eval_fraction"] = p["eval_fraction"]
+    return json.dumps(value, sort_keys=True)
+
+
+def acceptance_settings():
+    """The measurement's own knobs; thresholds only affect the report."""
+    keys = ("backend", "num_speculative_tokens", "num_prompts", "max_tokens", "dtype", "concurrency_one_prompts")
+    value = {k: config["verify"][k] for k in keys}
+    value["reasoning_parser"] = config["generation"]["reasoning_parser"]
+    value["trust_remote_code"] = config["target"]["trust_remote_code"]
+    return json.dumps(value, sort_keys=True)
+
+
 def variant_settings(variant):
     merged = dict(config["train"])
     merged.update(config["variants"][variant] or {})

@@ -11,7 +11,7 @@ rule prompts_train:
         prompts=f"{R}/prompts/train.jsonl",
         provenance=f"{R}/prompts/train.provenance.json",
     params:
-        settings=lambda wc: settings("prompts"),
+        settings=lambda wc: prompt_settings("train"),
         code=code_version("prepare_prompts.py"),
     conda:
         CONDA_ENV
@@ -36,7 +36,7 @@ rule prompts_eval:
         prompts=f"{R}/prompts/eval.jsonl",
         provenance=f"{R}/prompts/eval.provenance.json",
     params:
-        settings=lambda wc: settings("prompts"),
+        settings=lambda wc: prompt_settings("eval"),
         code=code_version("prepare_prompts.py"),
     conda:
         CONDA_ENV

@@ -14,7 +14,8 @@ rule contract_checks:
     output:
         f"{R}/drafts/{{variant}}/verify/contract.json",
     params:
-        settings=lambda wc: settings("verify"),
+        # Only what the checks read: a change of k or thresholds must not rerun them.
+        settings=lambda wc: json.dumps({"reference_draft": config["verify"]["reference_draft"]}),
         code=code_version("check_contract.py"),
     conda:
         CONDA_ENV
@@ -44,7 +45,7 @@ rule acceptance:
     output:
         f"{R}/drafts/{{variant}}/verify/acceptance.json",
     params:
-        settings=lambda wc: settings("verify", reasoning_parser=config["generation"]["reasoning_parser"]),
+        settings=lambda wc: acceptance_settings(),
         code=code_version("measure_acceptance.py"),
     conda:
         CONDA_ENV

@@ -84,10 +84,10 @@ def write_config(workdir: Path, config: dict) -> Path:
 
 
 def run_snakemake(workdir: Path, config: dict | Path, *args: str, check: bool = True,
-                  timeout: float = 1800) -> subprocess.CompletedProcess:
-    """Run the real Snakemake CLI on this repo's Snakefile in `workdir`."""
+                  timeout: float = 1800, snakefile: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real Snakemake CLI on this repo's Snakefile (or a copy) in `workdir`."""
     configfile = config if isinstance(config, Path) else write_config(workdir, config)
-    cmd = [PY, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+    cmd = [PY, "-m", "snakemake", "-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir),
            "--configfile", str(configfile), "--cores", "2", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
