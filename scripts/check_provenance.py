@@ -20,6 +20,9 @@ def check_tree(root: Path) -> tuple[int, list[str]]:
     files = sorted(root.rglob("provenance.json")) + sorted(root.rglob("*.provenance.json"))
     if not files:
         raise PipelineError(f"{root}: no provenance.json found; is this a results/<run_name> dir?")
+    # Rules record paths relative to the Snakemake working dir (the parent of results/), so a
+    # moved results tree still checks.
+    base = root.resolve().parent.parent if root.resolve().parent.name == "results" else Path.cwd()
     checked, problems, cache = 0, [], {}
     for prov_path in files:
         prov = read_json(prov_path, "provenance")
@@ -27,6 +30,8 @@ def check_tree(root: Path) -> tuple[int, list[str]]:
         for kind in ("inputs", "outputs"):
             for name, entry in (prov.get(kind) or {}).items():
                 path = Path(entry["path"])
+                if not path.is_absolute():
+                    path = base / path
                 checked += 1
                 if not path.exists():
                     problems.append(f"{artifact} ({prov['rule']}): {kind[:-1]} '{name}' missing: {path}")
