@@ -1,0 +1,397 @@
+"""A real single-node SLURM cluster on this machine, for tests of the cluster profile.
+
+Debian's slurmctld/slurmd (22.05) and munge, started by hand as root (no init system), each
+in the foreground as a child of the test process, so it is stopped by its own pid. The node
+advertises two fake GPUs (character-device clones of /dev/null), enough for SLURM to hand out
+gres/gpu and set CUDA_VISIBLE_DEVICES. Facts behind each choice: shared notes, slurm-local.md.
+
+Nothing is skipped: missing binaries or no root make the test FAIL with what to do, since CI
+installs SLURM with .ci/install_slurm.sh. Every wait is bounded; on the way out every job is
+cancelled and every daemon this module started is stopped, even when the test failed."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+SLURM_CONF = Path("/etc/slurm/slurm.conf")
+GRES_CONF = Path("/etc/slurm/gres.conf")
+# Both configs must live in /etc/slurm: the jobstep plugin deletes every SLURM_* variable,
+# SLURM_CONF included, before its inner srun. This marker says a config is ours to rewrite.
+MARKER = "# Test cluster written by tests/slurm_cluster.py: safe to delete."
+STATE = Path("/var/lib/pipeline-test-slurm")
+MUNGE_SOCKET_DIR = Path("/run/munge")
+DAEMONS = ("munged", "slurmctld", "slurmd")
+BINARIES = ("munge", "unmunge", "munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol",
+            "scancel", "sinfo")
+INSTALL_HINT = ("run `bash .ci/install_slurm.sh` as root (CI's .ci/run does) to install slurmctld, slurmd, "
+                "slurm-client and munge")
+
+PARTITION = "pipelinetest"
+ACCOUNT = "pipeline-test"
+NUM_GPUS = 4          # fake: enough for the tests' GPU jobs to all run at once
+NODE_CPUS = 8          # more than the 2 real cores (config_overrides): room for concurrent jobs
+NODE_MEM_MB = 64000    # not enforced (no cgroups); the pipeline's rules ask for 8000 each
+MIN_JOB_AGE_S = 300    # squeue keeps finished jobs this long: >= 3x the status-check delay
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin")
+
+
+def require_slurm() -> None:
+    missing = [b for b in BINARIES if _which(b) is None]
+    if missing:
+        pytest.fail(f"SLURM is not installed here (missing: {', '.join(missing)}); {INSTALL_HINT}", pytrace=False)
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM test starts slurmctld/slurmd/munged and writes /etc/slurm: run it as root "
+                    "(CI runs as root)", pytrace=False)
+
+
+def run(cmd: list[str], timeout: float = 30, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    exe = _which(cmd[0]) or cmd[0]
+    proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def wait_until(predicate, timeout: float, what: str, on_timeout=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except (subprocess.SubprocessError, OSError, RuntimeError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}. {on_timeout()}")
+        time.sleep(0.25)
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class SlurmCluster:
+    node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
+    state: Path = STATE
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    # --- configuration --------------------------------------------------------------------
+
+    @property
+    def gpu_files(self) -> list[Path]:
+        return [self.state / f"fake-gpu{i}" for i in range(NUM_GPUS)]
+
+    def slurm_conf(self) -> str:
+        s = self.state
+        return "\n".join([
+            MARKER,
+            "ClusterName=pipelinetest",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"StateSaveLocation={s}/ctld",
+            f"SlurmdSpoolDir={s}/spool",
+            f"SlurmctldPidFile={s}/slurmctld.daemon.pid",
+            f"SlurmdPidFile={s}/slurmd.daemon.pid",
+            f"SlurmctldLogFile={s}/slurmctld.log",
+            f"SlurmdLogFile={s}/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core_Memory",
+            "SchedulerType=sched/backfill",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "ReturnToService=2",
+            f"MinJobAge={MIN_JOB_AGE_S}",
+            "GresTypes=gpu",
+            "SlurmdParameters=config_overrides",
+            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEM_MB} "
+            f"Gres=gpu:{NUM_GPUS} State=UNKNOWN",
+            f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ])
+
+    def gres_conf(self) -> str:
+        files = ",".join(str(p) for p in self.gpu_files)
+        return f"{MARKER}\nAutoDetect=off\nNodeName={self.node} Name=gpu File={files}\n"
+
+    def write_config(self) -> None:
+        for path in (SLURM_CONF, GRES_CONF):
+            if path.exists() and MARKER not in path.read_text(errors="replace"):
+                pytest.fail(f"{path} exists and was not written by this test: refusing to overwrite a real "
+                            f"SLURM configuration. Run this test on a machine without one (CI's is fresh).",
+                            pytrace=False)
+        SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
+        SLURM_CONF.write_text(self.slurm_conf())
+        GRES_CONF.write_text(self.gres_conf())
+
+    def make_fake_gpus(self) -> None:
+        # gres/gpu needs File= character devices; clones of /dev/null (major 1, minor 3) do.
+        for path in self.gpu_files:
+            if not (path.exists() and stat.S_ISCHR(path.stat().st_mode)):
+                path.unlink(missing_ok=True)
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            path.chmod(0o666)
+
+    # --- daemons ------------------------------------------------------------------------------
+
+    def pid_record(self, name: str) -> Path:
+        return self.state / f"{name}.pid"
+
+    def stop_leftovers(self) -> None:
+        """Daemons a crashed earlier run of this module left, found by the pid files it wrote."""
+        for name in DAEMONS:
+            record = self.pid_record(name)
+            try:
+                pid = int(record.read_text().strip())
+                exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            except (OSError, ValueError):
+                record.unlink(missing_ok=True)
+                continue
+            if exe.startswith(name):  # slurmctld's binary is slurmctld-wlm on Debian
+                _stop_pid(pid, name)
+            record.unlink(missing_ok=True)
+
+    def spawn(self, name: str, cmd: list[str], **kw) -> None:
+        log = open(self.state / f"{name}.stdout.log", "ab")
+        try:
+            proc = subprocess.Popen([_which(cmd[0]), *cmd[1:]], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, **kw)
+        finally:
+            log.close()
+        self.procs[name] = proc
+        self.pid_record(name).write_text(f"{proc.pid}\n")
+
+    def munge_works(self) -> bool:
+        cred = run(["munge", "-n"], timeout=10, check=False)
+        return cred.returncode == 0 and run(["unmunge"], input=cred.stdout, timeout=10, check=False).returncode == 0
+
+    def start_munge(self) -> None:
+        if self.munge_works():  # a munged is already serving this machine: use it, leave it alone
+            return
+        key = Path("/etc/munge/munge.key")
+        if not key.exists():
+            run(["mungekey", "--create", f"--keyfile={key}"])
+            shutil.chown(key, "munge", "munge")
+            key.chmod(0o400)
+        MUNGE_SOCKET_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.chown(MUNGE_SOCKET_DIR, "munge", "munge")
+        MUNGE_SOCKET_DIR.chmod(0o755)
+        self.spawn("munged", ["munged", "--foreground"], user="munge", group="munge")
+        wait_until(self.munge_works, 20, "munged to answer",
+                   lambda: tail(self.state / "munged.stdout.log") + tail(Path("/var/log/munge/munged.log")))
+
+    def node_state(self) -> str:
+        return run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], timeout=10).stdout.strip()
+
+    def start(self) -> None:
+        require_slurm()
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.stop_leftovers()
+        # A fresh controller state every time: no queued jobs or drained node from an earlier run.
+        for sub in ("ctld", "spool"):
+            shutil.rmtree(self.state / sub, ignore_errors=True)
+            (self.state / sub).mkdir()
+        for log in self.state.glob("*.log"):
+            log.unlink()
+        self.make_fake_gpus()
+        self.write_config()
+        self.start_munge()
+        self.spawn("slurmctld", ["slurmctld", "-D", "-i"])
+        wait_until(lambda: "UP" in run(["scontrol", "ping"], timeout=10, check=False).stdout, 30,
+                   "slurmctld to answer `scontrol ping`", self.logs)
+        self.spawn("slurmd", ["slurmd", "-D", "-N", self.node])
+        wait_until(self.node_is_usable, 45, f"node {self.node} to become idle", self.logs)
+
+    def node_is_usable(self) -> bool:
+        state = self.node_state()
+        if any(word in state for word in ("drain", "down", "fail")):
+            # A drained node stays drained until resumed (even across restarts).
+            run(["scontrol", "update", f"nodename={self.node}", "state=resume"], timeout=10, check=False)
+            return False
+        return state.startswith(("idle", "mixed", "allocated"))
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name} ---\n{tail(self.state / name)}"
+                         for name in ("slurmctld.log", "slurmd.log", "slurmctld.stdout.log", "slurmd.stdout.log"))
+
+    # --- jobs ---------------------------------------------------------------------------------
+
+    def active_job_ids(self) -> list[str]:
+        out = run(["squeue", "-h", "-t", "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED", "-o", "%i"],
+                  timeout=10)
+        return out.stdout.split()
+
+    def cancel_all_jobs(self) -> None:
+        ids = self.active_job_ids()
+        if ids:
+            run(["scancel", *ids], timeout=20, check=False)
+            wait_until(lambda: not self.active_job_ids(), 30, f"jobs {ids} to end after scancel")
+
+    # --- shutdown -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        errors = []
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            try:
+                self.cancel_all_jobs()
+            except Exception as err:  # still stop the daemons
+                errors.append(f"cancelling jobs: {err}")
+        for name in ("slurmd", "slurmctld", "munged"):  # reverse start order
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                _stop_pid(proc.pid, name, proc)
+                self.pid_record(name).unlink(missing_ok=True)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+
+def _stop_pid(pid: int, name: str, proc: subprocess.Popen | None = None, grace: float = 15) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; reaps our own children."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc is not None:
+            if proc.poll() is not None:
+                return
+        elif not Path(f"/proc/{pid}").exists():
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    if proc is not None:
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# --- Snakemake through the profile ----------------------------------------------------------
+
+
+def make_test_profile(source: Path, dest: Path, **overrides) -> Path:
+    """A copy of a SLURM profile with this cluster's partition/account and quick status checks.
+
+    Every other key is kept as the user would get it."""
+    profile = yaml.safe_load((source / "config.yaml").read_text())
+    profile["default-resources"].update({"slurm_partition": PARTITION, "slurm_account": ACCOUNT,
+                                         "mem_mb": 1000, "runtime": 10})
+    for rule_resources in (profile.get("set-resources") or {}).values():
+        if "slurm_partition" in rule_resources:
+            rule_resources["slurm_partition"] = PARTITION
+    profile.update({
+        # No slurmdbd here, so sacct cannot answer (the run would wait forever).
+        "slurm-status-command": "squeue",
+        "slurm-init-seconds-before-status-checks": 1,
+        "latency-wait": 5,
+        "jobs": 4,
+    })
+    profile.update(overrides)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
+    return dest
+
+
+class BoundedRun:
+    """A command (Snakemake) started now and waited for later, its output in a file.
+
+    Past its deadline it gets SIGINT (Snakemake ignores SIGTERM while it polls SLURM; on SIGINT
+    it cancels its SLURM jobs and exits), then SIGKILL if it still has not stopped."""
+
+    def __init__(self, cmd: list[str], log_path: Path, timeout: float, env: dict | None = None):
+        self.cmd, self.log_path = cmd, log_path
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            # SIGINT must work on it even where this process was started with SIGINT ignored
+            # (a background job of a non-interactive shell).
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.wall_s: float | None = None
+        self.timed_out = False
+
+    def poll(self) -> bool:
+        """True once finished (and records the wall time then)."""
+        if self.proc.poll() is None:
+            return False
+        if self.wall_s is None:
+            self.wall_s = time.monotonic() - self.started
+        return True
+
+    def wait(self) -> "BoundedRun":
+        try:
+            self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            self.interrupt()
+        self.poll()
+        return self
+
+    def interrupt(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @staticmethod
+    def wait_all(runs: list["BoundedRun"]) -> None:
+        """Wait for runs that go on at the same time, noting when each ends."""
+        while not all(run.poll() for run in runs):
+            for run in runs:
+                if not run.poll() and time.monotonic() > run.deadline:
+                    run.wait()  # interrupts it
+            time.sleep(0.2)
+
+    def check(self) -> str:
+        """The output, after asserting the run finished in time and succeeded."""
+        self.wait()
+        what = f"{' '.join(self.cmd[:6])} ... (log: {self.log_path})"
+        assert not self.timed_out, f"{what} did not finish in time and was interrupted:\n{self.output[-8000:]}"
+        assert self.returncode == 0, f"{what} failed ({self.returncode}):\n{self.output[-10000:]}"
+        return self.output
