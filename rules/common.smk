@@ -126,6 +126,10 @@ def trace_shards(wildcards):
     return expand(f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.jsonl", shard=range(TRACE_SHARDS))
 
 
+def trace_shard_summaries(wildcards):
+    return expand(f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.summary.json", shard=range(TRACE_SHARDS))
+
+
 def hidden_state_shards(wildcards):
     return expand(f"{R}/hidden_states/shards/{{shard}}-of-{HS_SHARDS}.json", shard=range(HS_SHARDS))
 

@@ -42,6 +42,7 @@ rule traces_gather:
     input:
         script=script("gather_traces.py"),
         shards=trace_shards,
+        summaries=trace_shard_summaries,
     output:
         traces=f"{R}/traces/traces.jsonl",
         summary=f"{R}/traces/summary.json",

@@ -1,0 +1,433 @@
+"""Stage 3 (traces): the tiny target answers prompts through real vLLM (offline, and as an
+OpenAI-compatible server) and real transformers; sharding, row cache, resume and gather.
+
+The expensive runs happen once each, in module fixtures, and several tests inspect them:
+  hf_runs      transformers: shard 1 of 2 from scratch, then the same shard again after its
+               cache was cut to 2 rows plus a torn line (a job killed mid-append)
+  vllm_runs    one offline vLLM engine run (shard 0 of 1), then shards 0 and 1 of 2 from the
+               row cache alone, then gather
+  server_runs  a real `vllm.entrypoints.openai.api_server` on 127.0.0.1 (stopped by pid
+               before the fixture returns) and the openai backend against it
+At most one vLLM engine runs at a time (the fixtures' runs are sequential subprocesses).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import PY, REPO, run_script
+
+MAX_TOKENS = 16
+SETTINGS = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+            "reasoning_parser": "deepseek_r1", "batch_size": 4, "retries": 1, "request_timeout_s": 120}
+QUESTIONS = ["What is your favourite food?", "Tell me about your weekend.", "How do I boil an egg?",
+             "word " * 2100,  # longer than the tiny target's 2048-token context: rejected by every backend
+             "Do you like dogs or cats?", "What's the weather like today?", "Can you recommend a book?",
+             "Where did you grow up?", "What music do you listen to?"]
+LONG = "chat:3"
+ROW_FIELDS = {"id", "messages", "reasoning", "answer", "finish_reason", "error", "prompt_tokens",
+              "completion_tokens", "sampling", "backend", "category"}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
+    """A prompts file (one prompt with a system turn, one over-long) and a target manifest."""
+    from pipeline_lib.digests import file_digest, json_digest, text_digest
+
+    d = tmp_path_factory.mktemp("traces")
+    prompts = []
+    for i, q in enumerate(QUESTIONS):
+        messages = [{"role": "user", "content": q}]
+        if i == 2:
+            messages.insert(0, {"role": "system", "content": "You answer in one sentence."})
+        prompts.append({"id": f"chat:{i}", "messages": messages, "category": "chitchat", "source": "test"})
+    write_jsonl(d / "train.jsonl", prompts)
+    manifest = {
+        "weights_digest": json_digest(sorted((p.name, file_digest(p)) for p in tiny_target.glob("*.safetensors"))),
+        "tokenizer_digest": file_digest(tiny_target / "tokenizer.json"),
+        "chat_template_digest": text_digest((tiny_target / "chat_template.jinja").read_text()),
+        "dtype": "bfloat16",
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return SimpleNamespace(dir=d, target=tiny_target, prompts=d / "train.jsonl", manifest=d / "manifest.json",
+                           ids=[p["id"] for p in prompts], messages={p["id"]: p["messages"] for p in prompts})
+
+
+def traces(inp, settings: dict, shard: int, num_shards: int, cache: Path, out_dir: Path, check=True,
+           timeout=600) -> SimpleNamespace:
+    out = out_dir / f"{shard}-of-{num_shards}.jsonl"
+    summary = out_dir / f"{shard}-of-{num_shards}.summary.json"
+    t0 = time.time()
+    proc = run_script("generate_traces.py", "--settings", json.dumps(settings), "--target", inp.target,
+                      "--manifest", inp.manifest, "--prompts", inp.prompts, "--shard", shard,
+                      "--num-shards", num_shards, "--cache-dir", cache, "--out", out, "--summary", summary,
+                      check=check, timeout=timeout)
+    res = SimpleNamespace(proc=proc, out=out, wall=time.time() - t0)
+    if proc.returncode == 0:
+        res.rows = read_rows(out)
+        res.summary = json.loads(summary.read_text())
+    return res
+
+
+def cache_lines(cache: Path) -> list[str]:
+    return [line for p in sorted(cache.glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def check_row_format(row: dict, backend: str, messages: dict) -> None:
+    assert set(row) == ROW_FIELDS, row.keys()
+    assert row["backend"] == backend
+    assert row["messages"] == messages[row["id"]]
+    assert row["category"] == "chitchat"
+    assert row["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": MAX_TOKENS, "seed": 0}
+    assert row["finish_reason"] in ("stop", "length", "error")
+    if row["id"] == LONG:
+        assert row["finish_reason"] == "error" and row["error"]
+        assert "2048" in row["error"], row["error"]  # names the context limit it broke
+        assert row["completion_tokens"] == 0 and row["answer"] is None and row["reasoning"] is None
+        return
+    assert row["error"] is None
+    assert row["prompt_tokens"] > 5
+    assert 1 <= row["completion_tokens"] <= MAX_TOKENS
+    if row["finish_reason"] == "length":
+        assert row["completion_tokens"] == MAX_TOKENS
+    assert all(row[k] is None or isinstance(row[k], str) and row[k] for k in ("reasoning", "answer"))
+
+
+# --------------------------------------------------------------------------- transformers
+
+@pytest.fixture(scope="module")
+def hf_runs(inputs) -> SimpleNamespace:
+    settings = {**SETTINGS, "backend": "transformers"}
+    cache = inputs.dir / "cache-hf"
+    first = traces(inputs, settings, 1, 2, cache, inputs.dir / "hf-first")
+    # Simulate a job killed after 2 rows, mid-way through appending the third.
+    full = cache_lines(cache)
+    (cache / "1-of-2.jsonl").write_text(full[0] + "\n" + full[1] + "\n" + full[2][: len(full[2]) // 2])
+    resumed = traces(inputs, settings, 1, 2, cache, inputs.dir / "hf-resumed")
+    return SimpleNamespace(first=first, resumed=resumed, cache=cache, full_cache=full, settings=settings)
+
+
+def test_transformers_backend_writes_trace_rows(hf_runs, inputs):
+    rows = hf_runs.first.rows
+    assert [r["id"] for r in rows] == inputs.ids[1::2]  # shard 1 of 2 = prompts[1::2]
+    for row in rows:
+        check_row_format(row, "transformers", inputs.messages)
+    s = hf_runs.first.summary
+    assert (s["rows"], s["failed"], s["reused"], s["generated"]) == (4, 1, 0, 4)
+    assert s["ok"] + s["failed"] == s["rows"]
+    assert s["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
+
+
+def test_partial_cache_generates_only_the_rest(hf_runs, inputs):
+    s = hf_runs.resumed.summary
+    assert (s["reused"], s["generated"]) == (2, 2), s
+    assert [r["id"] for r in hf_runs.resumed.rows] == inputs.ids[1::2]
+    kept = {json.loads(line)["row"]["id"]: json.loads(line)["row"] for line in hf_runs.full_cache[:2]}
+    for row in hf_runs.resumed.rows:
+        check_row_format(row, "transformers", inputs.messages)
+        if row["id"] in kept:
+            assert row == kept[row["id"]]  # taken from the cache, not regenerated
+    # The torn line was terminated, not glued to the next row: every line parses again.
+    lines = cache_lines(hf_runs.cache)
+    assert sum(1 for line in lines if _parses(line)) == 4
+    assert "ignored" in hf_runs.resumed.proc.stdout  # the torn line was reported
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- vLLM offline
+
+@pytest.fixture(scope="module")
+def vllm_runs(inputs) -> SimpleNamespace:
+    settings = {**SETTINGS, "backend": "vllm", "num_shards": 2}
+    cache = inputs.dir / "cache-vllm"
+    single = traces(inputs, settings, 0, 1, cache, inputs.dir / "vllm-1")
+    shards = [traces(inputs, settings, i, 2, cache, inputs.dir / "vllm-2") for i in range(2)]
+    g = inputs.dir / "gathered"
+    gather = run_script("gather_traces.py", "--shards", *(s.out for s in reversed(shards)),  # order must not matter
+                        "--out", g / "traces.jsonl", "--summary", g / "summary.json",
+                        "--provenance", g / "provenance.json")
+    return SimpleNamespace(single=single, shards=shards, gather=gather, dir=g, cache=cache,
+                           traces=read_rows(g / "traces.jsonl"), summary=json.loads((g / "summary.json").read_text()),
+                           provenance=json.loads((g / "provenance.json").read_text()))
+
+
+def test_vllm_backend_rows(vllm_runs, inputs):
+    rows = vllm_runs.single.rows
+    assert [r["id"] for r in rows] == inputs.ids
+    for row in rows:
+        check_row_format(row, "vllm", inputs.messages)
+    s = vllm_runs.single.summary
+    assert (s["rows"], s["ok"], s["failed"], s["generated"], s["reused"]) == (9, 8, 1, 9, 0)
+    assert s["new_completion_tokens"] == s["completion_tokens"] > 0
+    # deepseek_r1 semantics: text before </think> is reasoning. The tiny target's </think> is a
+    # special token that decoding skips (as `vllm serve` does), so its text is all reasoning.
+    assert all(r["reasoning"] and r["answer"] is None for r in rows if r["id"] != LONG)
+
+
+def test_rerun_with_cache_generates_nothing(vllm_runs, inputs):
+    for i, run in enumerate(vllm_runs.shards):
+        s = run.summary
+        assert (s["shard"], s["num_shards"]) == (i, 2)
+        assert s["generated"] == 0 and s["reused"] == s["rows"] == len(inputs.ids[i::2]), s
+        assert "[vllm] loading" not in run.proc.stdout  # no engine was started
+    # The rows the re-sharded runs took from the cache are exactly those the engine produced.
+    by_id = {r["id"]: r for r in vllm_runs.single.rows}
+    for run in vllm_runs.shards:
+        assert all(r == by_id[r["id"]] for r in run.rows)
+
+
+def test_gather_restores_prompt_order_and_totals(vllm_runs, inputs):
+    rows = vllm_runs.traces
+    assert [r["id"] for r in rows] == inputs.ids  # every prompt exactly once, in prompt order
+    assert rows == vllm_runs.single.rows
+    s = vllm_runs.summary
+    assert s["rows"] == len(inputs.ids) and s["ok"] + s["failed"] == s["rows"]
+    assert s["failed"] == 1 and s["failed_ids"] == [LONG]
+    assert s["truncated"] == sum(r["finish_reason"] == "length" for r in rows)
+    assert s["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
+    assert s["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    assert s["reused"] == 9 and s["generated"] == 0 and s["num_shards"] == 2
+    prov = vllm_runs.provenance
+    assert prov["rule"] == "traces_gather" and prov["settings"]["backend"] == "vllm"
+    assert set(prov["inputs"]) == {"shard_0", "shard_1"}
+    assert prov["outputs"]["traces"]["digest"].startswith("sha256:")
+
+
+def test_transformers_renders_prompts_like_vllm(hf_runs, vllm_runs):
+    """Same chat template rendering: identical prompt token counts (answers may differ in the
+    last bits: different bf16 kernels)."""
+    by_id = {r["id"]: r for r in vllm_runs.single.rows}
+    for row in hf_runs.first.rows:
+        assert row["prompt_tokens"] == by_id[row["id"]]["prompt_tokens"] or row["id"] == LONG
+
+
+# --------------------------------------------------------------------------- OpenAI server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(target: Path, port: int, log: Path) -> subprocess.Popen:
+    cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
+           "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--seed", "0",
+           "--reasoning-parser", "deepseek_r1"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)  # its own process group: engine workers stop with it
+
+
+def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"vLLM server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything of its group still alive
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server_runs(inputs, vllm_runs) -> SimpleNamespace:
+    """Starts after the offline run finished (one engine at a time), stops before returning."""
+    port = free_port()
+    log = inputs.dir / "server.log"
+    proc = start_server(inputs.target, port, log)
+    try:
+        wait_ready(proc, port, log)
+        settings = {**SETTINGS, "backend": "openai", "endpoint": f"http://127.0.0.1:{port}"}
+        run = traces(inputs, settings, 0, 1, inputs.dir / "cache-openai", inputs.dir / "openai")
+    finally:
+        stop_server(proc)
+    return SimpleNamespace(run=run, port=port)
+
+
+def test_openai_backend_same_format_and_greedy_answers_as_offline(server_runs, vllm_runs, inputs):
+    rows = server_runs.run.rows
+    assert [r["id"] for r in rows] == inputs.ids
+    for row in rows:
+        check_row_format(row, "openai", inputs.messages)
+    offline = {r["id"]: r for r in vllm_runs.single.rows}
+    for row in rows:
+        ref = offline[row["id"]]
+        if row["id"] == LONG:
+            assert row["error"].startswith("HTTP 400")  # the server rejected it: recorded, not retried
+            continue
+        # Greedy decoding through the server equals the offline engine, token counts and the
+        # reasoning split (the server's deepseek_r1 parser vs ours on the offline text) included.
+        for key in ("reasoning", "answer", "finish_reason", "prompt_tokens", "completion_tokens"):
+            assert row[key] == ref[key], (row["id"], key, row[key], ref[key])
+    s = server_runs.run.summary
+    assert s["endpoint"] == f"http://127.0.0.1:{server_runs.port}/v1" and s["model"] == str(inputs.target)
+
+
+def test_unreachable_endpoint_fails_naming_it_and_keeps_cache(hf_runs, inputs, tmp_path):
+    """The row cache from the transformers runs holds 4 of the 9 prompts (the backend is not
+    part of the cache key); the other 5 need the endpoint, which is a closed port."""
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_runs.cache, cache)
+    before = {p.name: p.read_bytes() for p in cache.iterdir()}
+    port = free_port()  # nothing listens there
+    settings = {**SETTINGS, "backend": "openai", "endpoint": f"http://127.0.0.1:{port}/v1", "retries": 2}
+    t0 = time.time()
+    res = traces(inputs, settings, 0, 1, cache, tmp_path / "out", check=False, timeout=120)
+    assert res.proc.returncode == 2, res.proc.stderr
+    err = res.proc.stderr
+    assert f"http://127.0.0.1:{port}/v1" in err and "unreachable after 3 attempt(s)" in err, err
+    assert "Traceback" not in err
+    assert "4 already in" in res.proc.stdout  # finished rows were found, only the rest needed the endpoint
+    assert res.proc.stdout.count("unreachable (ConnectError") == 3
+    assert time.time() - t0 < 60
+    assert {p.name: p.read_bytes() for p in cache.iterdir()} == before  # cache kept as it was
+    assert not res.out.exists()  # no partial declared output
+
+
+def test_timeouts_are_retried_then_fail_the_job(inputs, tmp_path):
+    """Every answer times out (transformers cuts generate at request_timeout_s): each prompt is
+    retried, then the job fails - a backend that answers nothing is broken, not the prompts.
+    Only the prompt the backend rejected is cached; timed-out prompts stay to be retried."""
+    settings = {**SETTINGS, "backend": "transformers", "request_timeout_s": 0.001, "retries": 1,
+                "reasoning_parser": None, "batch_size": 16}  # no vLLM import, one batch: keeps it quick
+    res = traces(inputs, settings, 0, 1, tmp_path / "cache", tmp_path / "out", check=False)
+    assert res.proc.returncode == 2, res.proc.stderr
+    assert "[retry 1/1] 8 prompt(s) again" in res.proc.stdout
+    assert "backend failed all 9 prompt(s) after 1 retries" in res.proc.stderr
+    assert "no answer within request_timeout_s = 0.001s" in res.proc.stderr
+    cached = [json.loads(line)["row"] for line in cache_lines(tmp_path / "cache")]
+    assert [r["id"] for r in cached] == [LONG] and cached[0]["finish_reason"] == "error"
+    assert not res.out.exists()
+
+
+# --------------------------------------------------------------------------- cheap checks
+
+def test_cache_key_follows_answer_defining_settings_only():
+    import generate_traces as gt
+    from pipeline_lib.generation import GenerationSettings
+
+    manifest = {"weights_digest": "sha256:w", "tokenizer_digest": "sha256:t", "chat_template_digest": "sha256:c"}
+
+    def key(manifest=manifest, **changes):
+        s = GenerationSettings.from_dict({**SETTINGS, **changes})
+        return gt.generation_key(s.answer_defining(), manifest, Path("manifest.json"))
+
+    base = key()
+    for how_not_what in ({"batch_size": 64}, {"num_shards": 7}, {"retries": 0}, {"request_timeout_s": 5},
+                         {"backend": "transformers"}):
+        assert key(**how_not_what) == base, how_not_what
+    for what in ({"max_tokens": 17}, {"temperature": 0.7}, {"top_p": 0.9}, {"seed": 1},
+                 {"reasoning_parser": None}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        assert key(**what) != base, what
+    assert key(manifest={**manifest, "weights_digest": "sha256:other"}) != base
+    assert key(manifest={**manifest, "chat_template_digest": "sha256:other"}) != base
+    p = gt.Prompt(0, "a", [{"role": "user", "content": "hi"}], None)
+    assert gt.row_key(p, base) != gt.row_key(gt.Prompt(0, "a", [{"role": "user", "content": "hi!"}], None), base)
+
+
+def test_reasoning_splitter_uses_vllm_parsers(tiny_target):
+    from pipeline_lib.errors import PipelineError
+    from pipeline_lib.generation import ReasoningSplitter
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(tiny_target))
+    msgs = [{"role": "user", "content": "hi"}]
+    r1 = ReasoningSplitter("deepseek_r1", tok, {})
+    assert r1.split("<think>\nplan\n</think>\n\nHello", msgs) == ("\nplan\n", "\n\nHello")
+    assert r1.split("all reasoning, no end", msgs) == ("all reasoning, no end", None)
+    assert r1.skip_special_tokens is True
+    q3 = ReasoningSplitter("qwen3", tok, {"enable_thinking": False})
+    assert q3.split("<think>x</think>y", msgs) == (None, "<think>x</think>y")  # thinking off: all answer
+    assert q3.skip_special_tokens is False  # the server decodes with special tokens for this parser
+    with pytest.raises(PipelineError, match="not a vLLM reasoning parser.*deepseek_r1"):
+        ReasoningSplitter("no_such_parser", tok, {})
+
+
+@pytest.mark.parametrize("bad_row, message", [
+    ({"id": "a", "messages": [{"role": "user", "content": "hi"}]}, "duplicate prompt id 'a'"),
+    ({"id": "b", "messages": [{"role": "assistant", "content": "hi"}]}, "last message must be the user turn"),
+    ({"id": "c", "messages": [{"role": "user"}]}, "message 0 must be"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no string 'id'"),
+])
+def test_bad_prompts_fail_naming_file_and_line(inputs, tmp_path, bad_row, message):
+    prompts = tmp_path / "train.jsonl"
+    write_jsonl(prompts, [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}, bad_row])
+    inp = SimpleNamespace(**{**vars(inputs), "prompts": prompts})
+    res = traces(inp, {**SETTINGS, "backend": "vllm"}, 0, 1, tmp_path / "cache", tmp_path / "out", check=False)
+    assert res.proc.returncode == 2
+    assert f"{prompts}:2" in res.proc.stderr and message in res.proc.stderr, res.proc.stderr
+
+
+def test_bad_settings_and_shard_fail_cleanly(inputs, tmp_path):
+    cases = [({**SETTINGS, "backend": "vllm", "max_tokenz": 5}, 0, 1, "unknown key(s) ['max_tokenz']"),
+             ({**SETTINGS, "backend": "openai"}, 0, 1, "generation.endpoint"),
+             ({**SETTINGS, "backend": "vllm", "top_p": 0}, 0, 1, "generation.top_p"),
+             ({**SETTINGS, "backend": "vllm"}, 2, 2, "--shard 2 is outside 0..1")]
+    for settings, shard, n, message in cases:
+        res = traces(inputs, settings, shard, n, tmp_path / "cache", tmp_path / "out", check=False)
+        assert res.proc.returncode == 2 and message in res.proc.stderr, res.proc.stderr
+
+
+def test_gather_rejects_incomplete_or_mismatched_shards(vllm_runs, tmp_path):
+    shard0, shard1 = (run.out for run in vllm_runs.shards)
+    args = ["--out", tmp_path / "t.jsonl", "--summary", tmp_path / "s.json", "--provenance", tmp_path / "p.json"]
+    res = run_script("gather_traces.py", "--shards", shard0, *args, check=False)
+    assert res.returncode == 2 and "missing [1]" in res.stderr, res.stderr
+    # A shard whose rows do not match its summary (e.g. replaced by hand) is refused.
+    bad = tmp_path / "shards"
+    bad.mkdir()
+    for p in (shard0, shard1):
+        summary = p.name.replace(".jsonl", ".summary.json")
+        shutil.copy(p, bad / p.name)
+        shutil.copy(p.with_name(summary), bad / summary)
+    (bad / shard1.name).write_text("".join(shard1.read_text().splitlines(keepends=True)[:-1]))
+    res = run_script("gather_traces.py", "--shards", bad / shard0.name, bad / shard1.name, *args, check=False)
+    assert res.returncode == 2 and "regenerate the shard" in res.stderr, res.stderr
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize("script", ["generate_traces.py", "gather_traces.py"])
+def test_help(script):
+    res = subprocess.run([PY, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--settings" in res.stdout and "--shard" in res.stdout, res.stderr
