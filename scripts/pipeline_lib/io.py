@@ -73,6 +73,9 @@ class atomic_dir:
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(self.tmp, 0o777 & ~mask)  # mkdtemp makes 0700; results are shared on clusters
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):

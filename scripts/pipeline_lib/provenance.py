@@ -97,13 +97,15 @@ class Provenance:
         self.started = time.time()
 
     def write(self, path: str | os.PathLike, inputs: dict[str, str], outputs: dict[str, str],
-              **more: Any) -> dict:
+              digests: dict[str, str] | None = None, **more: Any) -> dict:
+        """`digests`: output digests the caller already computed (not hashed again)."""
         record = {
             "schema_version": SCHEMA_VERSION,
             "rule": self.rule,
             "settings": self.settings,
             "inputs": {k: {"path": str(v), "digest": upstream_digest(v)} for k, v in inputs.items()},
-            "outputs": {k: {"path": str(v), "digest": path_digest(v)} for k, v in outputs.items()},
+            "outputs": {k: {"path": str(v), "digest": (digests or {}).get(k) or path_digest(v)}
+                        for k, v in outputs.items()},
             "packages": package_versions(),
             "pipeline": git_state(),
             "host": socket.gethostname(),
