@@ -15,7 +15,12 @@ rule tokenize:
         stats=f"{R}/tokenized/stats.json",
         provenance=f"{R}/tokenized/provenance.json",
     params:
-        settings=lambda wc: settings("tokenize", trust_remote_code=config["target"]["trust_remote_code"]),
+        # The mask must render with the template arguments generation used (e.g. enable_thinking).
+        settings=lambda wc: settings(
+            "tokenize",
+            trust_remote_code=config["target"]["trust_remote_code"],
+            chat_template_kwargs=config["generation"]["chat_template_kwargs"],
+        ),
         code=code_version("tokenize_traces.py"),
     conda:
         CONDA_ENV

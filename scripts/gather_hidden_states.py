@@ -190,11 +190,10 @@ def write_provenance(args, shards, shared, backends, data_dir_digest: str, count
     settings = {k: shared[k] for k in ("aux_layer_ids", "dtype", "num_shards")} | {"backend": "+".join(backends)}
     prov = Provenance("hidden_states_gather", settings)
     inputs = {f"shard_{s['shard']}": p for p, s in shards} | {"data": args.data, "token_freq": args.token_freq}
-    record = prov.write(args.provenance, inputs=inputs, outputs={"manifest": args.manifest}, links=counts)
-    # Provenance.write hashes every output; the data dir holds all hidden states, so its digest
-    # is added from the known per-file digests instead of rehashing gigabytes.
-    record["outputs"]["data"] = {"path": str(args.out_data), "digest": data_dir_digest}
-    atomic_write_json(args.provenance, record)
+    # The data dir holds every hidden state: its digest comes from the known per-file digests
+    # instead of rehashing gigabytes.
+    prov.write(args.provenance, inputs=inputs, outputs={"manifest": args.manifest, "data": args.out_data},
+               digests={"data": data_dir_digest}, links=counts)
 
 
 if __name__ == "__main__":
