@@ -1,0 +1,426 @@
+"""Stage 6: train_draft.py (speculators' trainer on CPU, resume, pruning, final/untrained drafts,
+refusals), pipeline_lib.launch (torchrun / srun command generation) and load_check.py (real vLLM).
+
+The inputs come from the real upstream stages: materialize_target.py (local tiny target),
+extract_hidden_states.py (transformers backend) and gather_hidden_states.py, run on a tokenized
+dataset built here (chat-templated chitchat conversations, loss on assistant turns), laid out
+as R/{target,tokenized,hidden_states} in docs/artifacts.md."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import run_script
+from pipeline_lib import launch, speculators_cpu
+from pipeline_lib.assets import resolve_asset
+from pipeline_lib.errors import PipelineError
+
+AUX = [2, 4, 5]  # speculators' default for the 8-layer tiny target
+ROWS = 24
+SECRET = "hf_testsecretvalue123456"
+SETTINGS = {"draft_layers": 1, "draft_vocab_size": 512, "ttt_steps": 3, "epochs": 1, "lr": 0.003,
+            "optimizer": "adamw", "scheduler": "linear", "total_seq_len": 512,
+            "train_data_ratio": 0.85, "attn_impl": "sdpa", "loss_impl": "eager", "seed": 0,
+            "keep_last": 2, "select": "best", "num_workers": 0}
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+def _conversations(n: int) -> list[list[dict]]:
+    data = json.loads(Path(resolve_asset("pypi:chitchat_dataset/dataset.json")).read_text())
+    out = []
+    for conv in data.values():
+        turns = [" ".join(m["text"] for m in turn) for turn in conv["messages"]]
+        if len(turns) >= 2:
+            out.append([{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns[:4])])
+        if len(out) == n:
+            return out
+    return out
+
+
+def build_tokenized(target: Path, out: Path, rows: int = ROWS, max_len: int = 96) -> dict[int, int]:
+    """R/tokenized/{data, token_freq.pt}: int64 input_ids/loss_mask/seq_len, torch format."""
+    import torch
+    from datasets import Dataset, Features, Sequence, Value
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    cols, freq = {"input_ids": [], "loss_mask": [], "seq_len": []}, {}
+    for msgs in _conversations(rows):
+        ids, mask = [], []
+        for j in range(len(msgs)):  # loss on assistant turns only
+            new = tok.apply_chat_template(msgs[: j + 1], tokenize=True, return_dict=False)[len(ids):]
+            ids += new
+            mask += [int(msgs[j]["role"] == "assistant")] * len(new)
+        ids, mask = ids[:max_len], mask[:max_len]
+        cols["input_ids"].append(ids)
+        cols["loss_mask"].append(mask)
+        cols["seq_len"].append(len(ids))
+        for t, m in zip(ids, mask):
+            if m:
+                freq[t] = freq.get(t, 0) + 1
+    features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
+                         "seq_len": Value("int64")})
+    Dataset.from_dict(cols, features=features).with_format("torch").save_to_disk(str(out / "data"))
+    torch.save(freq, out / "token_freq.pt")
+    return freq
+
+
+@pytest.fixture(scope="module")
+def hs_run(tiny_target, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("train")
+    freq = build_tokenized(tiny_target, root / "tokenized")
+    run_script("materialize_target.py", "--settings", json.dumps({"source": "local", "path": str(tiny_target)}),
+               "--out-dir", root / "target" / "model", "--manifest", root / "target" / "manifest.json",
+               "--provenance", root / "target" / "provenance.json", timeout=300)
+    shard = root / "hidden_states" / "shards" / "0-of-1.json"
+    run_script("extract_hidden_states.py", "--settings", json.dumps({"backend": "transformers", "batch_size": 8}),
+               "--target", root / "target" / "model", "--manifest", root / "target" / "manifest.json",
+               "--data", root / "tokenized" / "data", "--shard", "0", "--num-shards", "1",
+               "--store-dir", root / "hidden_states" / "store", "--out", shard, timeout=300)
+    run_script("gather_hidden_states.py", "--shards", shard, "--data", root / "tokenized" / "data",
+               "--token-freq", root / "tokenized" / "token_freq.pt", "--out-data", root / "hidden_states" / "data",
+               "--manifest", root / "hidden_states" / "manifest.json",
+               "--provenance", root / "hidden_states" / "provenance.json", timeout=300)
+    manifest = json.loads((root / "hidden_states" / "manifest.json").read_text())
+    assert manifest["aux_layer_ids"] == AUX and manifest["rows"] == ROWS
+    return {"root": root, "target": root / "target" / "model", "freq": freq, "manifest": manifest,
+            "data": root / "hidden_states" / "data", "hs_manifest": root / "hidden_states" / "manifest.json",
+            "target_manifest": root / "target" / "manifest.json"}
+
+
+def train_args(run: dict, settings: dict, out: Path, hs_manifest: Path | None = None,
+               data: Path | None = None) -> list[str]:
+    return ["--settings", json.dumps(settings), "--target", run["target"],
+            "--target-manifest", run["target_manifest"], "--data", data or run["data"],
+            "--hs-manifest", hs_manifest or run["hs_manifest"], "--checkpoints", out / "checkpoints",
+            "--gpus", "0", "--nodes", "1", "--final", out / "final", "--untrained", out / "untrained",
+            "--metrics", out / "train_metrics.csv", "--provenance", out / "provenance.json"]
+
+
+@pytest.fixture(scope="module")
+def trained(hs_run) -> dict:
+    """Run 1 trains one epoch; run 2 asks for three and must resume after epoch 0."""
+    out = hs_run["root"] / "drafts" / "default"
+    first = run_script("train_draft.py", *train_args(hs_run, SETTINGS, out), timeout=600)
+    first_rows = [json.loads(line) for line in (out / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    second = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 3}, out),
+                        timeout=600, env={"HF_TOKEN": SECRET})
+    return {"out": out, "first": first, "first_rows": first_rows, "second": second}
+
+
+def read_safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+# ---------------------------------------------------------------------- training on CPU
+
+def test_first_run_trains_one_epoch_from_scratch(trained):
+    log = trained["first"].stdout
+    assert "No previous training checkpoint found" in log
+    assert [(r["epoch"], r["split"]) for r in trained["first_rows"]] == [(0, "train"), (0, "val")]
+
+
+def test_rerun_with_more_epochs_resumes_instead_of_retraining(trained):
+    log = trained["second"].stdout
+    assert "resuming after epoch 0" in log
+    assert "Resuming training on epoch 1" in log
+    assert "Training epoch 1/3 started" not in log  # epoch 0 is not trained again
+    rows = [json.loads(line) for line in (trained["out"] / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    epoch0 = [r for r in rows if r["epoch"] == 0]
+    assert epoch0 == trained["first_rows"]  # written once, by the first run
+    second_run = {r["run_started"] for r in rows if r["epoch"] > 0}
+    assert len(second_run) == 1 and second_run != {trained["first_rows"][0]["run_started"]}
+    prov = json.loads((trained["out"] / "provenance.json").read_text())
+    assert prov["resumed_after_epoch"] == 0
+
+
+def test_metrics_csv_has_a_row_per_epoch_and_split(trained):
+    import pandas as pd
+
+    df = pd.read_csv(trained["out"] / "train_metrics.csv")
+    assert list(zip(df["epoch"], df["split"])) == [(e, s) for e in range(3) for s in ("train", "val")]
+    for col in ["loss", "acc_0", "acc_1", "acc_2", "cond_acc_0", "full_acc_2", "loss_0"]:
+        assert df[col].notna().all(), col
+    assert ((df[["acc_0", "acc_1", "acc_2"]] >= 0) & (df[["acc_0", "acc_1", "acc_2"]] <= 1)).all().all()
+    # acc_i is cumulative (tokens 0..i all right): it cannot grow with i
+    assert (df["acc_0"] >= df["acc_1"]).all() and (df["acc_1"] >= df["acc_2"]).all()
+    train = df[df["split"] == "train"].set_index("epoch")
+    assert train.loc[2, "loss"] < train.loc[0, "loss"]  # it learned something
+    assert (train["steps"] > 0).all() and (train["tokens_per_s"] > 0).all()
+    assert train["tokens"].nunique() == 1  # every epoch sees the same training rows
+
+
+def test_final_is_the_best_epoch_with_relative_verifier_path(trained, hs_run):
+    import pandas as pd
+
+    out = trained["out"]
+    prov = json.loads((out / "provenance.json").read_text())
+    df = pd.read_csv(out / "train_metrics.csv")
+    val = df[df["split"] == "val"].set_index("epoch")["loss"]
+    assert prov["selected_epoch"] == prov["best_epoch"] == int(val.idxmin())
+    assert prov["val_loss"] == pytest.approx(val.min())
+
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((out / "final" / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == "../../../target/model"  # R/drafts/<variant>/final -> R/target/model
+    assert (out / "final" / verifier).resolve() == hs_run["target"].resolve()
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["draft_vocab_size"] == 512
+    # the selected epoch's weights, unchanged
+    selected = read_safetensors(out / "checkpoints" / str(prov["selected_epoch"]) / "model.safetensors")
+    final = read_safetensors(out / "final" / "model.safetensors")
+    assert final.keys() == selected.keys() and all((final[k] == selected[k]).all() for k in final)
+
+
+def test_draft_vocab_is_the_most_frequent_loss_tokens(trained, hs_run):
+    import torch
+
+    final = read_safetensors(trained["out"] / "final" / "model.safetensors")
+    freq = hs_run["freq"]
+    expected = sorted(sorted(freq, key=lambda t: (-freq[t], t))[:512])
+    if len(expected) < 512:  # speculators fills up with the lowest unused ids
+        expected = sorted(expected + [t for t in range(2048) if t not in freq][: 512 - len(expected)])
+    d2t, t2d = final["d2t"], final["t2d"]
+    assert (d2t + torch.arange(512)).tolist() == expected
+    assert t2d.shape == (2048,) and int(t2d.sum()) == 512 and t2d[expected].all()
+
+
+def test_untrained_has_same_architecture_and_vocab_but_no_training(trained):
+    out = trained["out"]
+    final, untrained = (read_safetensors(out / d / "model.safetensors") for d in ("final", "untrained"))
+    assert final.keys() == untrained.keys()
+    assert all(final[k].shape == untrained[k].shape for k in final)
+    assert (final["d2t"] == untrained["d2t"]).all() and (final["t2d"] == untrained["t2d"]).all()
+    assert not (final["fc.weight"] == untrained["fc.weight"]).all()
+    cfg_f, cfg_u = (json.loads((out / d / "config.json").read_text()) for d in ("final", "untrained"))
+    assert cfg_u == cfg_f  # same architecture, vocab, aux ids and relative verifier path
+    assert not (out / "checkpoints" / ".untrained-build").exists()
+
+
+def test_checkpoints_pruned_to_keep_last_with_optimizer_only_in_latest(trained):
+    ckpt = trained["out"] / "checkpoints"
+    prov = json.loads((trained["out"] / "provenance.json").read_text())
+    epochs = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    assert epochs == sorted({1, 2} | {prov["best_epoch"]})  # keep_last 2, plus the best
+    assert (ckpt / "2" / "optimizer_state_dict.pt").exists() and (ckpt / "2" / "scheduler_state_dict.pt").exists()
+    for n in epochs[:-1]:
+        assert not (ckpt / str(n) / "optimizer_state_dict.pt").exists()
+        assert (ckpt / str(n) / "model.safetensors").exists()
+    assert (ckpt / "checkpoint_best").resolve() == (ckpt / str(prov["best_epoch"])).resolve()
+    assert prov["checkpoints"]["removed"] == [e for e in range(3) if e not in epochs]
+
+
+def test_secrets_stay_out_of_provenance_and_log(trained):
+    assert SECRET not in (trained["out"] / "provenance.json").read_text()
+    assert SECRET not in trained["second"].stdout + trained["second"].stderr
+
+
+def _epoch(ckpt: Path, n: int, complete: bool = True) -> Path:
+    d = ckpt / str(n)
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_text(f"weights of epoch {n}")
+    if complete:
+        (d / "training_state.json").write_text("{}")
+    return d
+
+
+def test_checkpoints_of_other_settings_are_moved_aside_not_resumed(tmp_path):
+    import train_draft
+
+    ckpt = tmp_path / "checkpoints"
+    _epoch(ckpt, 0)
+    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps({"lr": 0.1, "target_digest": "a"}))
+    assert train_draft.prepare_checkpoints(ckpt, {"lr": 0.2, "target_digest": "a"}, epochs=3) is None
+    (aside,) = tmp_path.glob("checkpoints.superseded-*")
+    assert (aside / "0" / "model.safetensors").read_text() == "weights of epoch 0"
+    assert json.loads((ckpt / train_draft.FINGERPRINT).read_text()) == {"lr": 0.2, "target_digest": "a"}
+    assert not train_draft.epoch_dirs(ckpt)
+
+
+def test_resume_skips_a_half_saved_epoch_and_longer_runs_start_fresh(tmp_path):
+    import train_draft
+
+    ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
+    (ckpt).mkdir()
+    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    _epoch(ckpt, 0), _epoch(ckpt, 1), _epoch(ckpt, 2, complete=False)  # killed while saving 2
+    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 1
+    assert not (ckpt / "2").exists() and (ckpt / "1" / "model.safetensors").exists()
+    # asking for fewer epochs than already trained cannot resume: moved aside, fresh start
+    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=1) is None
+    assert len(list(tmp_path.glob("checkpoints.superseded-*"))) == 1
+
+
+# ------------------------------------------------------------------------------ refusals
+
+def _refused(hs_run, tmp_path, settings=None, hs_manifest=None, data=None) -> str:
+    out = tmp_path / "draft"
+    proc = run_script("train_draft.py", *train_args(hs_run, settings or SETTINGS, out, hs_manifest, data),
+                      check=False, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr
+    assert not (out / "final").exists() and not (out / "checkpoints").exists()
+    return proc.stderr
+
+
+def _manifest_variant(hs_run, tmp_path, **changes) -> Path:
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({**hs_run["manifest"], **changes}))
+    return path
+
+
+def test_refuses_hidden_states_of_another_target(hs_run, tmp_path):
+    err = _refused(hs_run, tmp_path, hs_manifest=_manifest_variant(hs_run, tmp_path, target_digest="sha256:0123"))
+    assert "target_digest sha256:0123 differs" in err and "re-run the hidden_states stage" in err
+
+
+@pytest.mark.parametrize("ids, needle", [([2, 4], "hidden_states shape [" ), ([2, 4, 9], "out of range")])
+def test_refuses_layer_ids_that_do_not_fit(hs_run, tmp_path, ids, needle):
+    err = _refused(hs_run, tmp_path, hs_manifest=_manifest_variant(hs_run, tmp_path, aux_layer_ids=ids))
+    assert needle in err and "aux_layer_ids" in err
+
+
+def test_refuses_draft_vocab_larger_than_target_vocab(hs_run, tmp_path):
+    err = _refused(hs_run, tmp_path, settings={**SETTINGS, "draft_vocab_size": 4096})
+    assert "train.draft_vocab_size = 4096" in err and "2048" in err
+
+
+def test_refuses_empty_dataset(hs_run, tmp_path):
+    err = _refused(hs_run, tmp_path, hs_manifest=_manifest_variant(hs_run, tmp_path, rows=0, files={}, tokens=0))
+    assert "dataset is empty" in err
+
+
+def test_refuses_data_dir_out_of_sync_with_manifest(hs_run, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(hs_run["data"], data, copy_function=os.link)
+    (data / "hidden_states" / "hs_7.safetensors").unlink()
+    err = _refused(hs_run, tmp_path, data=data)
+    assert "23 hidden-state files for 24 rows" in err and "hs_7.safetensors" in err
+
+
+def test_refuses_gpu_only_settings_on_cpu(hs_run, tmp_path):
+    err = _refused(hs_run, tmp_path, settings={**SETTINGS, "attn_impl": "simple_flex_attention",
+                                                "loss_impl": "fused"})
+    assert "train.attn_impl" in err and "train.loss_impl" in err
+
+
+def test_refuses_gpus_when_none_is_visible(hs_run, tmp_path):
+    args = train_args(hs_run, SETTINGS, tmp_path / "draft")
+    args[args.index("--gpus") + 1] = "2"
+    proc = run_script("train_draft.py", *args, check=False, timeout=300)
+    assert proc.returncode == 2 and "--gpus 2 but no CUDA device is visible" in proc.stderr
+
+
+def test_cpu_shims_refuse_other_speculators_versions(monkeypatch):
+    assert speculators_cpu.installed_version() == speculators_cpu.SUPPORTED_VERSION
+    monkeypatch.setattr(speculators_cpu, "installed_version", lambda: "0.10.0")
+    with pytest.raises(PipelineError, match="speculators 0.10.0 is installed"):
+        speculators_cpu.apply()
+
+
+def test_help_works():
+    for script in ("train_draft.py", "load_check.py"):
+        proc = run_script(script, "--help", timeout=120)
+        assert "--settings" in proc.stdout
+
+
+# ------------------------------------------------------------------------ launch commands
+
+WORKER = ["/repo/scripts/train_draft.py", "--trainer-worker", "/r/ckpt/.trainer-worker.json"]
+
+
+def test_one_gpu_or_cpu_trains_in_process():
+    for gpus in (0, 1):
+        plan = launch.plan(launch.LaunchRequest(gpus=gpus, nodes=1, worker=WORKER, environ={}))
+        assert plan.in_process and plan.mode == "in_process" and plan.command == []
+
+
+def test_several_gpus_launch_torchrun_one_process_per_gpu():
+    plan = launch.plan(launch.LaunchRequest(gpus=4, nodes=1, worker=WORKER, python="/venv/bin/python",
+                                            environ={}))
+    assert plan.command == ["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                            "--nproc-per-node=4", "--max-restarts=0", *WORKER]
+    assert plan.world_size == 4
+
+
+def test_several_nodes_launch_srun_torchrun_with_rendezvous_on_first_node():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
+           "SLURM_CPUS_PER_TASK": "16"}
+    seen = []
+    plan = launch.plan(launch.LaunchRequest(gpus=8, nodes=2, worker=WORKER, python="/venv/bin/python",
+                                            environ=env, head_node=lambda nl: seen.append(nl) or "gpu07"))
+    assert seen == ["gpu[07-08]"]
+    assert plan.command == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29742", "--rdzv-id=4242", "--max-restarts=0", *WORKER]
+    assert plan.env["SRUN_CPUS_PER_TASK"] == "16" and plan.world_size == 8
+    port = launch.plan(launch.LaunchRequest(gpus=2, nodes=2, worker=WORKER, environ={**env, "MASTER_PORT": "31000"},
+                                            head_node=lambda nl: "gpu07"))
+    assert "--rdzv-endpoint=gpu07:31000" in port.command
+
+
+@pytest.mark.parametrize("gpus, nodes, env, needle", [
+    (8, 2, {}, "inside a SLURM allocation"),
+    (6, 4, {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-4]"}, "must split evenly"),
+    (1, 2, {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}, "at least one GPU per node"),
+    (4, 2, {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1"}, "allocation has 1 node"),
+])
+def test_multi_node_requests_that_cannot_work_are_refused(gpus, nodes, env, needle):
+    with pytest.raises(PipelineError, match=needle):
+        launch.plan(launch.LaunchRequest(gpus=gpus, nodes=nodes, worker=WORKER, environ=env,
+                                         head_node=lambda nl: "n1"))
+
+
+# ----------------------------------------------------------------------- vLLM load check
+
+@pytest.mark.parametrize("which", ["final", "untrained"])
+def test_vllm_loads_the_draft_as_eagle3_speculator(trained, hs_run, which):
+    out = trained["out"] / f"load_check_{which}.json"
+    run_script("load_check.py", "--target", hs_run["target"], "--draft", trained["out"] / which,
+               "--out", out, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["ok"] is True and result["tokens"] > 0
+    assert result["spec_decode"]["num_drafts"] > 0 and result["spec_decode"]["num_draft_tokens"] > 0
+    assert result["aux_layer_ids"] == AUX and result["draft_vocab_size"] == 512
+    # vLLM's own speculators-config resolution, run from the draft dir, finds the target
+    assert result["verifier_path"]["relative"] and result["verifier_path"]["resolves_to_target"]
+    assert result["vllm_version"]
+
+
+def test_load_check_refuses_a_draft_without_aux_layer_ids(trained, hs_run, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(trained["out"] / "final", draft)
+    config = json.loads((draft / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (draft / "config.json").write_text(json.dumps(config))
+    proc = run_script("load_check.py", "--target", hs_run["target"], "--draft", draft, "--out",
+                      tmp_path / "lc.json", check=False, timeout=300)
+    assert proc.returncode == 2 and "eagle_aux_hidden_state_layer_ids is missing" in proc.stderr
+    assert not (tmp_path / "lc.json").exists()
+
+
+def test_load_check_fails_with_vllms_own_message(trained, hs_run, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(trained["out"] / "final", draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["transformer_layer_config"]["intermediate_size"] *= 3  # weights no longer fit the config
+    (draft / "config.json").write_text(json.dumps(config))
+    proc = run_script("load_check.py", "--target", hs_run["target"], "--draft", draft, "--out",
+                      tmp_path / "lc.json", check=False, timeout=600)
+    assert proc.returncode == 2
+    assert "vLLM could not run" in proc.stderr and "exceeds dimension size" in proc.stderr
+    assert not (tmp_path / "lc.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's scontrol (.ci/install_slurm.sh)")
+def test_first_host_expands_a_slurm_nodelist_with_scontrol():
+    assert launch.first_host("gpu[07-08],cpu3") == "gpu07"
