@@ -72,15 +72,38 @@ def variant_settings(variant):
     return json.dumps(merged, sort_keys=True)
 
 
-def code_version(*scripts):
-    """Digest of a rule's script plus the shared library it imports.
+def _lib_imports(path, seen):
+    """pipeline_lib modules a file imports, transitively (parsed, not imported)."""
+    import ast
 
-    Snakemake's code trigger only sees the `shell:` text, not the script it calls; putting
-    this digest in `params:` makes an edited script rerun its rule and everything after it."""
+    lib = Path(SCRIPTS) / "pipeline_lib"
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom):
+            if node.module and node.module.startswith("pipeline_lib"):
+                mod = node.module.split(".", 1)[1] if "." in node.module else None
+                names = [mod] if mod else [a.name for a in node.names]
+            elif node.level and path.parent == lib:  # relative import inside the library
+                names = [node.module] if node.module else [a.name for a in node.names]
+        for name in names:
+            dep = lib / f"{name.split('.')[0]}.py"
+            if dep.exists() and dep not in seen:
+                seen.add(dep)
+                _lib_imports(dep, seen)
+    return seen
+
+
+def code_version(*scripts):
+    """Digest of the shared-library modules a rule's script imports (transitively).
+
+    The script itself is a declared input (see script()); this digest in `params:` makes an
+    edit to a library module it uses rerun the rule and everything after it, and an edit to
+    a module it does not use rerun nothing."""
     h = hashlib.sha256()
-    paths = [Path(SCRIPTS) / s for s in scripts]
-    paths += sorted((Path(SCRIPTS) / "pipeline_lib").rglob("*.py"))
-    for p in paths:
+    deps = set()
+    for s in scripts:
+        _lib_imports(Path(SCRIPTS) / s, deps)
+    for p in sorted(deps):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
