@@ -62,6 +62,8 @@ def acceptance_settings():
     keys = ("backend", "num_speculative_tokens", "num_prompts", "max_tokens", "dtype", "concurrency_one_prompts")
     value = {k: config["verify"][k] for k in keys}
     value["reasoning_parser"] = config["generation"]["reasoning_parser"]
+    # Eval prompts are rendered like the training prompts (e.g. Qwen3 enable_thinking).
+    value["chat_template_kwargs"] = config["generation"]["chat_template_kwargs"]
     value["trust_remote_code"] = config["target"]["trust_remote_code"]
     return json.dumps(value, sort_keys=True)
 

