@@ -50,6 +50,7 @@ def rebuild_config(tiny_target: Path, prompts: Path) -> dict:
 def built(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("rebuilds")
     repo = root / "workflow"
+    repo.mkdir()
     for name in WORKFLOW_FILES:
         src = REPO / name
         if src.is_dir():
