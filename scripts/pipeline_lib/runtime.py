@@ -26,4 +26,8 @@ def setup(offline: bool = True) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM CPU: KV cache size in GiB (default would take a large slice of a 24 GiB box).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's automatic OpenMP core binding pinned the CPU worker to one core whose time it then
+    # shared with a second busy thread when run as a Snakemake job: the demo's trace shard made
+    # ~0 rows in minutes instead of 256 in ~60 s. Unbound threads run at full speed.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
