@@ -21,6 +21,7 @@ from conftest import PY, REPO, run_script
 
 import tokenize_traces
 from materialize_target import build_manifest
+from pipeline_lib.digests import dir_manifest
 from pipeline_lib.errors import PipelineError
 
 PROMPTS = [
@@ -53,7 +54,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def write_manifest(target: Path, path: Path) -> Path:
-    path.write_text(json.dumps(build_manifest(target, "local", {"source_ref": str(target)}, False)))
+    path.write_text(json.dumps(build_manifest(target, "local", {"source_ref": str(target)}, False,
+                                                     dir_manifest(target))))
     return path
 
 
