@@ -43,17 +43,21 @@ def settings(section, **extra):
 
 
 def prompt_settings(split):
-    """What defines one prompt split: its own source, plus the train source when eval is
-    held out of it (eval.source null). Changing the eval set never reruns the training side."""
+    """What defines one prompt split: its own source, plus the train source when eval rows
+    are held out of it (eval.source null, or eval_held_out_samples, which also shrinks the
+    train side). Changing only the eval set never reruns the training side."""
     p = config["prompts"]
     held_out = p["eval"]["source"] is None
+    add_held = 0 if held_out else p["eval_held_out_samples"]
     value = {"seed": p["seed"], "eval_held_out": held_out}
-    if split == "train" or held_out:
+    if split == "train" or held_out or add_held:
         value["train"] = p["train"]
     if split == "eval":
         value["eval"] = p["eval"]
     if held_out:
         value["eval_fraction"] = p["eval_fraction"]
+    if add_held:
+        value["eval_held_out_samples"] = add_held
     return json.dumps(value, sort_keys=True)
 
 
@@ -131,18 +135,23 @@ def target_source_inputs(wildcards):
 
 
 def prompt_source_inputs(split):
-    src = config["prompts"][split]["source"] if split == "eval" else None
-    if split == "eval" and src is None:
-        src = config["prompts"]["train"]["source"]
-    if split == "train":
-        src = config["prompts"]["train"]["source"]
+    """The local files a prompt split reads (so an edited file reruns it): its own source, and
+    the training source when eval rows are held out of it."""
+    p = config["prompts"]
+    sources = [p[split]["source"]]
+    if split == "eval" and (sources[0] is None or p["eval_held_out_samples"]):
+        sources.append(p["train"]["source"])
 
     def _inputs(wildcards):
-        try:
-            p = Path(resolve_asset(src))
-        except FileNotFoundError:
-            return []
-        return [str(p)] if p.is_file() else []
+        files = []
+        for src in filter(None, sources):
+            try:
+                path = Path(resolve_asset(src))
+            except FileNotFoundError:
+                continue
+            if path.is_file():
+                files.append(str(path))
+        return files
 
     return _inputs
 

@@ -9,7 +9,11 @@ exact duplicates and empty prompts, splits train/eval deterministically by `prom
 and caps the split at `num_samples` (shuffle by seed, take the first N).
 
 With `prompts.eval.source: null` the eval set is `prompts.eval_fraction` of the training
-source and the train set excludes exactly those rows. Row format: docs/artifacts.md.
+source and the train set excludes exactly those rows. With an eval source and
+`prompts.eval_held_out_samples: N`, N training-source prompts (the tail of the training
+split's seeded order, so a capped training set with spare rows stays the same) are taken out
+of training and mixed into the eval set with category `held-out`: acceptance on the traffic
+the draft was trained for, next to the external benchmark. Row format: docs/artifacts.md.
 
     python scripts/prepare_prompts.py --split train --settings @prompts.json \\
         --out results/run/prompts/train.jsonl --provenance results/run/prompts/train.provenance.json
@@ -386,29 +390,67 @@ def split_spec(settings: dict, split: str) -> SourceSpec:
     return SourceSpec.from_settings(settings, "train" if split == "train" or held_out else "eval")
 
 
+HELD_OUT_CATEGORY = "held-out"
+
+
+def split_tail(prompts: list[Prompt], n: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(rest, held): the last n of the training split's own seeded order are held out, so the
+    first num_samples (what cap() keeps) do not change while the source has spare rows."""
+    if n >= len(prompts):
+        raise PipelineError(f"prompts.eval_held_out_samples = {n}: the training source has only {len(prompts)} "
+                            f"usable prompt(s) and training needs some; lower it")
+    order = cap(prompts, None, seed, "train")
+    return order[:-n], order[-n:]
+
+
+def load_split_source(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Prompt], dict]:
+    label, fmt, prompts, record = load_prompts(spec, counts)
+    return label, fmt, dedupe(prompts, counts), record
+
+
+def rows_of(prompts: list[Prompt], label: str, category: str | None = None) -> list[dict]:
+    return [{"id": f"{label}:{p.key}", "messages": p.messages, "category": category or p.category,
+             "source": label} for p in prompts]
+
+
 def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]:
     seed = int(settings.get("seed", 0))
     held_out = eval_held_out(settings)
+    add_held = 0 if held_out else int(settings.get("eval_held_out_samples") or 0)
     spec = split_spec(settings, split)
     counts = Counts()
-    label, fmt, prompts, record = load_prompts(spec, counts)
-    prompts = dedupe(prompts, counts)
+    label, fmt, prompts, record = load_split_source(spec, counts)
     if held_out:
         fraction = float(settings.get("eval_fraction", 0.1))
         train, evals = holdout(prompts, fraction, seed)
         counts.extra["held_out_for_eval"] = len(evals)
         prompts = train if split == "train" else evals
+    elif add_held and split == "train":
+        prompts, held = split_tail(prompts, add_held, seed)
+        counts.extra["held_out_for_eval"] = len(held)
     num_samples = (settings.get(split) or {}).get("num_samples")
     counts.extra["available"] = len(prompts)
-    chosen = cap(prompts, num_samples, seed, split)
+    if add_held and split == "train":
+        chosen = prompts[:num_samples] if num_samples else prompts  # already in the seeded order
+    else:
+        chosen = cap(prompts, num_samples, seed, split)
     if not chosen:
         raise PipelineError(f"{spec.setting}.source = {spec.source}: the {split} prompt set is empty after "
                             f"filtering ({counts.loaded} rows loaded, {counts.empty_dropped} empty, "
                             f"{counts.duplicates_dropped} duplicates"
                             + (f", {counts.extra.get('held_out_for_eval', 0)} held out for eval" if held_out else "")
                             + "); point it at a larger prompt set")
-    rows = [{"id": f"{label}:{p.key}", "messages": p.messages, "category": p.category, "source": label}
-            for p in chosen]
+    rows = rows_of(chosen, label)
+    if add_held and split == "eval":
+        # The same held-out rows the train split excluded, mixed in so that prefixes
+        # (verify.num_prompts, concurrency_one_prompts) see both kinds.
+        train_label, _, train_prompts, train_record = load_split_source(SourceSpec.from_settings(settings, "train"),
+                                                                        Counts())
+        held = split_tail(train_prompts, add_held, seed)[1]
+        rows += rows_of(held, train_label, HELD_OUT_CATEGORY)
+        random.Random(f"{seed}:eval:mix").shuffle(rows)
+        counts.extra["held_out_added"] = len(held)
+        record = {**record, "held_out_from": train_record}
     summary = {"split": split, "format": fmt, "label": label, "held_out": held_out, "input": record,
                "loaded": counts.loaded, "empty_dropped": counts.empty_dropped,
                "duplicates_dropped": counts.duplicates_dropped, **counts.extra, "written": len(rows)}
@@ -429,11 +471,15 @@ def main() -> None:
     rows, summary = build_split(settings, args.split)
     atomic_write_jsonl(args.out, rows)
     inputs = {"source": summary["input"]["path"]} if summary["input"].get("path") else {}
+    if (summary["input"].get("held_out_from") or {}).get("path"):
+        inputs["held_out_source"] = summary["input"]["held_out_from"]["path"]
     prov.write(args.provenance, inputs=inputs, outputs={"prompts": args.out}, counts=summary)
     print(f"prompts {args.split}: {len(rows)} written to {args.out} (format {summary['format']}, "
           f"{summary['loaded']} loaded, {summary['empty_dropped']} empty, "
           f"{summary['duplicates_dropped']} duplicates"
-          + (f", {summary['held_out_for_eval']} held out for eval" if summary["held_out"] else "") + ")", flush=True)
+          + (f", {summary['held_out_for_eval']} held out for eval" if "held_out_for_eval" in summary else "")
+          + (f", {summary['held_out_added']} held-out training prompts added" if "held_out_added" in summary else "")
+          + ")", flush=True)
 
 
 def _maybe_hub(source: str) -> bool:

