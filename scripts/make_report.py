@@ -337,7 +337,10 @@ def acceptance_sections(acc: dict) -> list[Section]:
                      b["num_drafts"], b["num_draft_tokens"], b["num_accepted_tokens"], fmt(b.get("draft_acceptance_rate"))])
     sections = [Section("Acceptance", [
         f"{acc['num_prompts']} eval prompts, k = {k} speculative tokens, greedy, max {acc['max_tokens']} tokens, "
-        f"{acc['dtype']}, backend {acc['backend']} ({get_in(acc, 'acceptance', 'trained', 'source')})."],
+        f"{acc['dtype']}, backend {acc['backend']} ({get_in(acc, 'acceptance', 'trained', 'source')})."
+        + (f" Skipped as longer than the target's context allows: "
+           + ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in acc["prompts_skipped"]) + "."
+           if acc.get("prompts_skipped") else "")],
         [Table(["draft", "mean acceptance length", "acceptance rate per position", "drafts", "draft tokens",
                 "accepted tokens", "draft acceptance rate"], rows)],
         ["Acceptance rate per position"])]

@@ -118,8 +118,15 @@ def main() -> int:
     from pipeline_lib import acceptance as acc
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=settings["trust_remote_code"])
-    prompts = acc.load_eval_prompts(args.prompts, settings["num_prompts"], tokenizer,
-                                    settings["chat_template_kwargs"])
+    context_limit = text_config(load_config(args.target)).get("max_position_embeddings")
+    # Room for the answer and the k draft slots, as the engine's max_model_len needs.
+    answer_room = settings["max_tokens"] + settings["num_speculative_tokens"] + 16
+    prompts, skipped = acc.load_eval_prompts(args.prompts, settings["num_prompts"], tokenizer,
+                                             settings["chat_template_kwargs"],
+                                             context_limit - answer_room if context_limit else None)
+    for row in skipped:
+        print(f"[acceptance] {args.prompts}:{row['line']}: prompt {row['id']} has {row['prompt_tokens']} tokens, more "
+              f"than the {row['max_prompt_tokens']} the target's context leaves; skipped", file=sys.stderr)
     end_id, marker_or_reason = acc.reasoning_end_token_id(tokenizer, settings["reasoning_parser"])
     spec = acc.MeasureSpec(
         target=str(Path(args.target).resolve()), draft=str(Path(args.draft).resolve()),
@@ -127,13 +134,13 @@ def main() -> int:
         num_speculative_tokens=settings["num_speculative_tokens"], max_tokens=settings["max_tokens"],
         dtype=settings["dtype"], concurrency_one_prompts=min(settings["concurrency_one_prompts"], len(prompts)),
         eos_token_ids=eos_token_ids(Path(args.target), tokenizer), reasoning_end_token_id=end_id,
-        context_limit=text_config(load_config(args.target)).get("max_position_embeddings"),
+        context_limit=context_limit,
         trust_remote_code=settings["trust_remote_code"])
 
     header = {
         "backend": settings["backend"], "settings": settings,
         "inputs": {"target": args.target, "draft": args.draft, "untrained": args.untrained, "prompts": args.prompts},
-        "num_prompts": len(prompts), "num_speculative_tokens": spec.num_speculative_tokens,
+        "num_prompts": len(prompts), "prompts_skipped": skipped, "num_speculative_tokens": spec.num_speculative_tokens,
         "max_tokens": spec.max_tokens, "dtype": spec.dtype,
         "greedy_equality_expected": spec.dtype == "float32",
     }

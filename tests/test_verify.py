@@ -158,7 +158,10 @@ def run_dir(tmp_path_factory, tiny_target) -> Path:
     (r / "prompts").mkdir()
     (r / "prompts/eval.jsonl").write_text("".join(
         json.dumps({"id": f"mt_bench:{q['question_id']}", "messages": [{"role": "user", "content": q["turns"][0]}],
-                    "category": q["category"], "source": "mt_bench"}) + "\n" for q in eval_rows))
+                    "category": q["category"], "source": "mt_bench"}) + "\n" for q in eval_rows)
+        # Longer than the tiny target's 2048-token context: must be skipped and listed, not crash vLLM.
+        + json.dumps({"id": "long:0", "messages": [{"role": "user", "content": "word " * 3000}],
+                      "category": "writing", "source": "long"}) + "\n")
     train_prompts = [q["turns"][0] for i, q in enumerate(questions) if i % 10 in (1, 2)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the 2-core CI box is shared: spinning OpenMP threads cost 5x here
@@ -349,7 +352,7 @@ def test_nested_multimodal_target(run_dir, tmp_path):
 
 
 def measure(r: Path, out: Path, backend: str, draft: Path | None = None, env: dict | None = None) -> dict:
-    settings = {"backend": backend, "num_speculative_tokens": K, "num_prompts": EVAL_PROMPTS,
+    settings = {"backend": backend, "num_speculative_tokens": K, "num_prompts": EVAL_PROMPTS + 1,
                 "max_tokens": MAX_TOKENS, "dtype": "float32", "concurrency_one_prompts": 2,
                 "reasoning_parser": "deepseek_r1", "trust_remote_code": False}
     proc = run_script("measure_acceptance.py", "--settings", json.dumps(settings), "--target", r / "target/model",
@@ -368,6 +371,9 @@ def test_vllm_acceptance_metrics_present_and_consistent(vllm_acceptance):
     acc = vllm_acceptance
     assert acc["status"] == "ok" and acc["error"] is None
     assert acc["num_prompts"] == EVAL_PROMPTS
+    [skipped] = acc["prompts_skipped"]
+    assert skipped["id"] == "long:0" and skipped["prompt_tokens"] > skipped["max_prompt_tokens"]
+    assert skipped["max_prompt_tokens"] == 2048 - (MAX_TOKENS + K + 16)
     for name in ("trained", "untrained"):
         a = acc["acceptance"][name]
         assert a["source"] == "vllm:get_metrics"
@@ -505,6 +511,7 @@ def test_report_files_and_self_contained_html(run_dir, vllm_acceptance, good_con
     assert [p["rule"] for p in v["provenance"]["records"]] == ["target", "train_draft", "contract_checks", "acceptance"]
     md = (tmp_path / "report/report.md").read_text()
     assert "How to read this report" in md and "| min_mean_acceptance_length |" in md
+    assert "Skipped as longer than the target's context allows: long:0 (" in md
     assert "Reference draft, side by side" in md and "| draft_vocab_size | 512 | 512 | yes |" in md
     html = (tmp_path / "report/report.html").read_text()
     assert not re.findall(r"""(?:src|href)\s*=\s*["'](?!data:)""", html, re.I)

@@ -73,14 +73,17 @@ class MeasureSpec:
 
 
 def load_eval_prompts(path: str | Path, num_prompts: int | None, tokenizer,
-                      chat_template_kwargs: dict | None = None) -> list[EvalPrompt]:
-    """The first `num_prompts` rows of prompts/eval.jsonl, rendered with the target's chat
-    template (generation prompt added) so both backends see identical token ids."""
+                      chat_template_kwargs: dict | None = None,
+                      max_prompt_tokens: int | None = None) -> tuple[list[EvalPrompt], list[dict]]:
+    """(prompts, skipped): the first `num_prompts` rows of prompts/eval.jsonl, rendered with
+    the target's chat template (generation prompt added) so both backends see identical token
+    ids. Rows longer than `max_prompt_tokens` (the target's context minus the answer budget)
+    cannot be measured; they are skipped and listed, not allowed to fail the engine."""
     path = Path(path)
     if not path.exists():
         raise PipelineError(f"{path}: eval prompts file not found; run the prompts_eval rule "
                             f"(snakemake ... prompts_eval) or fix prompts.eval.source")
-    prompts = []
+    prompts, skipped, rows_read = [], [], 0
     for lineno, row in read_jsonl(path):
         messages = row.get("messages")
         if not isinstance(messages, list) or not messages or messages[-1].get("role") != "user":
@@ -92,12 +95,18 @@ def load_eval_prompts(path: str | Path, num_prompts: int | None, tokenizer,
                                             return_dict=False, **(chat_template_kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
             ids = ids["input_ids"]
-        prompts.append(EvalPrompt(id=str(row["id"]), category=row.get("category"), token_ids=list(map(int, ids))))
-        if num_prompts is not None and len(prompts) >= num_prompts:
+        rows_read += 1
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            skipped.append({"id": str(row["id"]), "line": lineno, "prompt_tokens": len(ids),
+                            "max_prompt_tokens": max_prompt_tokens})
+        else:
+            prompts.append(EvalPrompt(id=str(row["id"]), category=row.get("category"), token_ids=list(map(int, ids))))
+        if num_prompts is not None and rows_read >= num_prompts:
             break
     if not prompts:
-        raise PipelineError(f"{path}: no prompts; the eval set is empty")
-    return prompts
+        why = f" ({len(skipped)} longer than {max_prompt_tokens} tokens)" if skipped else ""
+        raise PipelineError(f"{path}: no prompts the target can answer{why}; the eval set is empty")
+    return prompts, skipped
 
 
 def reasoning_end_token_id(tokenizer, parser: str | None) -> tuple[int | None, str | None]:
