@@ -119,11 +119,10 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=settings["trust_remote_code"])
     context_limit = text_config(load_config(args.target)).get("max_position_embeddings")
-    # Room for the answer and the k draft slots, as the engine's max_model_len needs.
-    answer_room = settings["max_tokens"] + settings["num_speculative_tokens"] + 16
+    room = acc.answer_room(settings["max_tokens"], settings["num_speculative_tokens"])
     prompts, skipped = acc.load_eval_prompts(args.prompts, settings["num_prompts"], tokenizer,
                                              settings["chat_template_kwargs"],
-                                             context_limit - answer_room if context_limit else None)
+                                             context_limit - room if context_limit else None)
     for row in skipped:
         print(f"[acceptance] {args.prompts}:{row['line']}: prompt {row['id']} has {row['prompt_tokens']} tokens, more "
               f"than the {row['max_prompt_tokens']} the target's context leaves; skipped", file=sys.stderr)

@@ -352,10 +352,15 @@ def vllm_root_cause(lines: list[str]) -> str | None:
     return None
 
 
+def answer_room(max_tokens: int, num_speculative_tokens: int) -> int:
+    """Context a prompt must leave free: its answer, the draft's lookahead and a small margin."""
+    return max_tokens + num_speculative_tokens + 16
+
+
 def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool) -> dict[str, Any]:
     longest = max(len(p.token_ids) for p in spec.prompts)
-    # Room for the longest prompt, its answer and the draft's lookahead; small = small KV cache.
-    max_model_len = longest + spec.max_tokens + spec.num_speculative_tokens + 16
+    # Room for the longest prompt and its answer; small = small KV cache.
+    max_model_len = longest + answer_room(spec.max_tokens, spec.num_speculative_tokens)
     if spec.context_limit:
         max_model_len = min(max_model_len, spec.context_limit)
     return {
