@@ -21,7 +21,8 @@ fi
 echo "[install_slurm] missing: ${missing[*]}; installing slurmctld slurmd slurm-client munge"
 
 if [ "$(id -u)" -ne 0 ]; then
-    echo "[install_slurm] ERROR: must run as root (apt-get install)" >&2
+    echo "[install_slurm] ERROR: SLURM is not installed and installing it needs root (apt-get):" \
+         "run 'sudo bash .ci/install_slurm.sh' once, then 'make test' again" >&2
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
