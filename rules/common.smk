@@ -78,22 +78,39 @@ def variant_settings(variant):
     return json.dumps(merged, sort_keys=True)
 
 
+def _module_files(base, dotted):
+    """The file(s) of module `dotted` under `base`: a module file or a package's __init__."""
+    target = base.joinpath(*dotted.split(".")) if dotted else base
+    return [f for f in (target.with_suffix(".py"), target / "__init__.py") if f.is_file()]
+
+
 def _lib_imports(path, seen):
-    """pipeline_lib modules a file imports, transitively (parsed, not imported)."""
+    """pipeline_lib modules (and packages' modules) a file imports, transitively (parsed, not
+    imported): `from pipeline_lib.x import y`, `from pipeline_lib import x`, and relative
+    imports inside the library at any depth."""
     import ast
 
     lib = Path(SCRIPTS) / "pipeline_lib"
     for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.ImportFrom):
-            if node.module and node.module.startswith("pipeline_lib"):
-                mod = node.module.split(".", 1)[1] if "." in node.module else None
-                names = [mod] if mod else [a.name for a in node.names]
-            elif node.level and path.parent == lib:  # relative import inside the library
-                names = [node.module] if node.module else [a.name for a in node.names]
-        for name in names:
-            dep = lib / f"{name.split('.')[0]}.py"
-            if dep.exists() and dep not in seen:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:  # relative: only meaningful inside the library
+            if lib not in path.parents:
+                continue
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            dotted = node.module or ""
+        elif node.module and (node.module == "pipeline_lib" or node.module.startswith("pipeline_lib.")):
+            base, dotted = lib, node.module.partition(".")[2]
+        else:
+            continue
+        deps = _module_files(base, dotted)
+        pkg = base.joinpath(*dotted.split(".")) if dotted else base
+        for alias in node.names:  # `from pkg import submodule`
+            deps += _module_files(pkg, alias.name)
+        for dep in deps:
+            if dep not in seen:
                 seen.add(dep)
                 _lib_imports(dep, seen)
     return seen
@@ -110,7 +127,7 @@ def code_version(*scripts):
     for s in scripts:
         _lib_imports(Path(SCRIPTS) / s, deps)
     for p in sorted(deps):
-        h.update(p.name.encode())
+        h.update(p.relative_to(SCRIPTS).as_posix().encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.digests import file_digest, manifest_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.hidden_states import hs_name, log_to_stderr  # noqa: E402
+from pipeline_lib.hidden_states.store import hs_name, log_to_stderr  # noqa: E402
 from pipeline_lib.io import atomic_dir, atomic_write_json, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance, upstream_digest  # noqa: E402
 

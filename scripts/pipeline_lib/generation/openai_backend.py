@@ -1,0 +1,182 @@
+"""openai backend: chat completions against an OpenAI-compatible endpoint (`vllm serve`, SGLang, ...)."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any, Iterator
+
+from .base import (ERROR_INVALID, ERROR_TRANSIENT, ERROR_UNREACHABLE, Backend, BackendUnavailable, Completion,
+                   PromptRequest, none_if_empty, redact_url, register, vllm_tokenizer)
+from ..errors import PipelineError
+from ..provenance import scrub
+
+
+@register("openai")
+class OpenAIBackend(Backend):
+    """Chat completions against an OpenAI-compatible endpoint, batch_size requests at a time.
+    The API key, if the server wants one, comes from $OPENAI_API_KEY (never from settings,
+    so it never lands in configs, logs or provenance)."""
+
+    def start(self) -> None:
+        import os
+
+        import httpx
+
+        s = self.settings
+        self.base_url = _api_base(s.endpoint)
+        self.shown_url = redact_url(self.base_url)
+        headers = {}
+        if os.environ.get("OPENAI_API_KEY"):
+            headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+        self.client = httpx.Client(
+            base_url=self.base_url, headers=headers,
+            timeout=httpx.Timeout(s.request_timeout_s, connect=min(10.0, s.request_timeout_s)),
+            limits=httpx.Limits(max_connections=s.batch_size, max_keepalive_connections=s.batch_size))
+        self.model = self._resolve_model()
+        self.log(f"[openai] {self.shown_url} serves {self.model!r}")
+
+    def close(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+
+    def retry_delay_s(self, attempt: int) -> float:
+        return min(2.0 ** attempt, 30.0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "endpoint": self.shown_url, "model": self.model}
+
+    def _resolve_model(self) -> str:
+        """GET /models: proves the endpoint is up (with retries) and names the served model."""
+        import httpx
+
+        s = self.settings
+        attempts = s.retries + 1
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.retry_delay_s(attempt))
+            try:
+                r = self.client.get("/models", timeout=min(30.0, s.request_timeout_s))
+            except httpx.TransportError as err:
+                last = f"{type(err).__name__}: {err}"
+                self.log(f"[openai] attempt {attempt + 1}/{attempts}: {self.shown_url} unreachable ({last})")
+                continue
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}"
+                continue
+            self._raise_for_fatal_status(r, "GET /models")
+            if r.status_code == 404 and s.model_name:  # some servers have no /models
+                return s.model_name
+            if r.status_code != 200:
+                raise BackendUnavailable(f"{self.shown_url}/models answered HTTP {r.status_code}: "
+                                         f"{scrub(r.text[:300])}; is generation.endpoint an OpenAI-compatible API?")
+            served = [m.get("id") for m in r.json().get("data", [])]
+            if s.model_name:
+                if s.model_name not in served:
+                    raise BackendUnavailable(f"setting generation.model_name = {s.model_name!r} is not served "
+                                             f"at {self.shown_url} (it serves {served}); fix model_name")
+                return s.model_name
+            if len(served) != 1:
+                raise BackendUnavailable(f"{self.shown_url} serves {len(served)} models {served}; set "
+                                         f"generation.model_name to the one that is the target")
+            return served[0]
+        raise BackendUnavailable(
+            f"generation.endpoint {self.shown_url} is unreachable after {attempts} attempt(s) "
+            f"(retries = {s.retries}; last error: {last}); start the server or fix generation.endpoint")
+
+    def _raise_for_fatal_status(self, r: Any, what: str) -> None:
+        # Wrong credentials or model name fail every request alike: fail the job, not the row.
+        if r.status_code in (401, 403):
+            raise BackendUnavailable(f"{self.shown_url} refused {what} (HTTP {r.status_code}); set the "
+                                     f"endpoint's API key in $OPENAI_API_KEY")
+        if r.status_code == 404 and what != "GET /models":
+            raise BackendUnavailable(f"{self.shown_url} answered {what} with HTTP 404 ({scrub(r.text[:300])}); "
+                                     f"check generation.endpoint and generation.model_name")
+
+    def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
+        if not requests:
+            return
+        pool = ThreadPoolExecutor(max_workers=min(self.settings.batch_size, len(requests)),
+                                  thread_name_prefix="chat")
+        try:
+            futures = [pool.submit(self._chat, req) for req in requests]
+            for fut in as_completed(futures):
+                yield fut.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _chat(self, req: PromptRequest) -> Completion:
+        import httpx
+
+        s = self.settings
+        body: dict[str, Any] = {"model": self.model, "messages": req.messages, "max_tokens": s.max_tokens,
+                                "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+        if s.chat_template_kwargs:
+            body["chat_template_kwargs"] = s.chat_template_kwargs
+        try:
+            r = self.client.post("/chat/completions", json=body)
+        except httpx.ConnectTimeout as err:
+            return Completion.failed(req, f"{self.shown_url} unreachable: {err}", ERROR_UNREACHABLE)
+        except httpx.TimeoutException:
+            return Completion.failed(req, f"no answer within request_timeout_s = {s.request_timeout_s}s",
+                                     ERROR_TRANSIENT)
+        except httpx.ConnectError as err:
+            return Completion.failed(req, f"{self.shown_url} unreachable: {err}", ERROR_UNREACHABLE)
+        except httpx.TransportError as err:
+            return Completion.failed(req, err, ERROR_TRANSIENT)
+        self._raise_for_fatal_status(r, "POST /chat/completions")
+        if r.status_code != 200:
+            kind = ERROR_TRANSIENT if r.status_code in (408, 429) or r.status_code >= 500 else ERROR_INVALID
+            return Completion.failed(req, f"HTTP {r.status_code}: {_error_text(r)}", kind)
+        try:
+            data = r.json()
+            choice = data["choices"][0]
+            message = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            return Completion.failed(req, f"malformed response ({err}): {r.text[:300]}", ERROR_TRANSIENT)
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        finish = {"tool_calls": "stop", "function_call": "stop"}.get(choice.get("finish_reason"),
+                                                                     choice.get("finish_reason"))
+        if finish not in ("stop", "length"):
+            return Completion.failed(req, f"the server finished with finish_reason={finish!r}", ERROR_TRANSIENT,
+                                     prompt_tokens)
+        reasoning, answer = self._server_split(message, req.messages)
+        return Completion(req, reasoning, answer, finish, prompt_tokens, int(usage.get("completion_tokens") or 0))
+
+    def _server_split(self, message: dict[str, Any], messages: list[dict[str, Any]]):
+        content = message.get("content") or ""
+        server_reasoning = message.get("reasoning") or message.get("reasoning_content")
+        if server_reasoning is not None or not self.settings.reasoning_parser:
+            # The server ran a reasoning parser (vLLM: `reasoning`; older servers:
+            # `reasoning_content`), or no split is wanted.
+            return none_if_empty(server_reasoning), none_if_empty(content)
+        # The server ran no parser. Split locally only when the reasoning markup is visibly
+        # in the text: re-parsing an already-split answer would turn it into reasoning.
+        if self.splitter is None:
+            self._make_splitter(vllm_tokenizer(self.target, self.settings.trust_remote_code))
+        if any(m in content for m in self.splitter.markers):
+            return self.splitter.split(content, messages)
+        return None, none_if_empty(content)
+
+
+def _api_base(endpoint: str) -> str:
+    """Accepts http://host:port or http://host:port/v1 (with or without a trailing slash)."""
+    url = endpoint.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise PipelineError(f"setting generation.endpoint = {redact_url(endpoint)!r} is not an http(s) URL; "
+                            f"use e.g. http://127.0.0.1:8000/v1")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _error_text(r: Any) -> str:
+    try:
+        err = r.json()
+        msg = err.get("error", err)
+        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+        return scrub(str(msg))[:1000]
+    except ValueError:
+        return scrub(r.text[:1000])
+
+

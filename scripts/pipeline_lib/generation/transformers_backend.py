@@ -1,0 +1,110 @@
+"""transformers backend: HF generate, for targets (or GPU boxes) vLLM cannot run."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .base import (ERROR_INVALID, ERROR_TRANSIENT, Backend, BackendUnavailable, Completion, PromptRequest,
+                   prompt_error_types, register, vllm_tokenizer)
+from ..errors import PipelineError
+
+
+@register("transformers")
+class TransformersBackend(Backend):
+    """HF generate: batches of batch_size prompts, left padding, greedy (temperature 0) or
+    sampled with torch seeded by `seed` before each batch (so sampled answers depend on the
+    batch composition, unlike vLLM's per-request seeds). A batch that runs past
+    request_timeout_s is cut (generate's max_time); its unfinished prompts are retried."""
+
+    def start(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ..runtime import has_cuda
+
+        s = self.settings
+        self.device = "cuda" if has_cuda() else "cpu"
+        self.log(f"[transformers] loading {self.target} (dtype {self.dtype}, {self.device})")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.target, trust_remote_code=s.trust_remote_code)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(self.target, dtype=getattr(torch, self.dtype),
+                                                          trust_remote_code=s.trust_remote_code).to(self.device)
+        self.model.eval()
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        if not self.eos_ids:
+            raise PipelineError(f"{self.target}: neither generation_config.json nor the tokenizer names an "
+                                f"eos token; the transformers backend cannot tell where answers stop")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        cfg = self.model.config.get_text_config()  # multimodal targets nest the text model's config
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        if s.reasoning_parser:
+            self._make_splitter(vllm_tokenizer(self.target, s.trust_remote_code))
+        self._prompt_errors = prompt_error_types()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype, "device": self.device}
+
+    def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
+        s = self.settings
+        for start in range(0, len(requests), s.batch_size):
+            batch, prompts = [], []
+            for req in requests[start:start + s.batch_size]:
+                try:
+                    ids = self._render(req)
+                except self._prompt_errors as err:  # template errors, over-long prompts
+                    yield Completion.failed(req, err, ERROR_INVALID)
+                    continue
+                batch.append(req)
+                prompts.append(ids)
+            if batch:
+                yield from self._generate_batch(batch, prompts)
+
+    def _render(self, req: PromptRequest) -> list[int]:
+        text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                                  **self.settings.chat_template_kwargs)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.max_positions and len(ids) >= self.max_positions:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the target's context is {self.max_positions}")
+        return ids
+
+    def _generate_batch(self, batch: list[PromptRequest], prompts: list[list[int]]) -> Iterator[Completion]:
+        import torch
+
+        s = self.settings
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        max_new = s.max_tokens
+        if self.max_positions:
+            max_new = max(1, min(max_new, self.max_positions - width))
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_new, eos_token_id=sorted(self.eos_ids),
+                                      pad_token_id=self.pad_id, max_time=float(s.request_timeout_s))
+        if s.temperature > 0:
+            torch.manual_seed(s.seed)
+            kwargs.update(do_sample=True, temperature=float(s.temperature), top_p=float(s.top_p))
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+        except torch.OutOfMemoryError:
+            raise BackendUnavailable(f"out of memory generating a batch of {len(batch)} prompts (longest "
+                                     f"{width} tokens); lower generation.batch_size") from None
+        generated = out[:, width:].tolist()
+        for req, prompt, tokens in zip(batch, prompts, generated):
+            stop_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+            if stop_at is not None:
+                kept, finish, count = tokens[:stop_at], "stop", stop_at + 1  # vLLM counts the eos token too
+            elif len(tokens) >= max_new:
+                kept, finish, count = tokens, "length", len(tokens)
+            else:  # generate stopped on max_time before this row finished
+                yield Completion.failed(req, f"no answer within request_timeout_s = {s.request_timeout_s}s "
+                                             f"(batch of {len(batch)})", ERROR_TRANSIENT, len(prompt))
+                continue
+            text = self.tokenizer.decode(kept, skip_special_tokens=self.skip_special_tokens)
+            reasoning, answer = self._split(text, req.messages)
+            yield Completion(req, reasoning, answer, finish, len(prompt), count)
+
+
+# The one place that maps `generation.backend` to an implementation.
