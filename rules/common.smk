@@ -4,19 +4,30 @@ import hashlib
 import json
 import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 
+import yaml
+from snakemake.exceptions import WorkflowError
+
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
-from pipeline_lib.assets import resolve_asset  # noqa: E402
+from pipeline_lib import stages  # noqa: E402
+from pipeline_lib.assets import PREFIX as PYPI_PREFIX, resolve_asset  # noqa: E402
+from pipeline_lib.digests import path_digest  # noqa: E402
 
 # Jobs call `python` from PATH: the venv's (make/tests put .venv/bin first), or the conda env
 # below under `--sdm conda`.
-SCRIPTS = str(Path(workflow.basedir) / "scripts")
+SCRIPTS = Path(workflow.basedir) / "scripts"
 CONDA_ENV = "../envs/conda-cuda.yaml" if os.environ.get("PIPELINE_STACK") == "cuda" else "../envs/conda-cpu.yaml"
 R = f"results/{config['run_name']}"
-TRACE_SHARDS = config["generation"]["num_shards"]
-HS_SHARDS = config["hidden_states"]["num_shards"]
 VARIANTS = sorted(config["variants"])
+
+# Stage instances (pipeline_lib/stages.py): per variant, the traces / tokenized / hidden_states
+# directories it is built from, and per directory what defines it. Rules reach them only
+# through the input functions below, by the wildcard that names the directory.
+with open(Path(workflow.basedir) / "schemas/config.schema.yaml") as _schema:
+    stages.check_variants(config, yaml.safe_load(_schema))
+LINEAGE, STAGE_INSTANCES = stages.plan_instances(config)
 
 # Jobs that only move or summarise files run on the submitting host, even under SLURM.
 localrules:
@@ -29,7 +40,12 @@ localrules:
 
 wildcard_constraints:
     shard=r"\d+",
+    num_shards=r"\d+",
     variant=r"[A-Za-z0-9._-]+",
+    # A stage instance's directory: the base config's plain name, or <stage>-<digest>.
+    traces=stages.instance_pattern("traces"),
+    tokenized=stages.instance_pattern("tokenized"),
+    hidden_states=stages.instance_pattern("hidden_states"),
 
 
 def settings(section, **extra):
@@ -61,21 +77,77 @@ def prompt_settings(split):
     return json.dumps(value, sort_keys=True)
 
 
-def acceptance_settings():
+def acceptance_settings(variant):
     """The measurement's own knobs; thresholds only affect the report."""
+    cfg = stages.variant_config(config, variant)
     keys = ("backend", "num_speculative_tokens", "num_prompts", "max_tokens", "dtype", "concurrency_one_prompts")
-    value = {k: config["verify"][k] for k in keys}
-    value["reasoning_parser"] = config["generation"]["reasoning_parser"]
+    value = {k: cfg["verify"][k] for k in keys}
+    value["reasoning_parser"] = cfg["generation"]["reasoning_parser"]
     # Eval prompts are rendered like the training prompts (e.g. Qwen3 enable_thinking).
-    value["chat_template_kwargs"] = config["generation"]["chat_template_kwargs"]
-    value["trust_remote_code"] = config["target"]["trust_remote_code"]
+    value["chat_template_kwargs"] = cfg["generation"]["chat_template_kwargs"]
+    value["trust_remote_code"] = cfg["target"]["trust_remote_code"]
     return json.dumps(value, sort_keys=True)
 
 
 def variant_settings(variant):
-    merged = dict(config["train"])
-    merged.update(config["variants"][variant] or {})
-    return json.dumps(merged, sort_keys=True)
+    """The train section as the variant sees it (base keys with its overrides)."""
+    return stages.settings_json(stages.variant_config(config, variant)["train"])
+
+
+# --------------------------------------------------------------------------- stage instances
+# A rule of an upstream stage has a wildcard named after the stage (traces, tokenized,
+# hidden_states) whose value is the instance's directory; these input functions look up what
+# that instance reads and what defines it. Downstream rules find a variant's instances by its
+# `variant` wildcard. No rule tests which variant or instance it serves.
+
+
+def stage_instance(stage, wildcards):
+    name = getattr(wildcards, stage)
+    if name not in STAGE_INSTANCES:
+        raise WorkflowError(f"{R}/{name}: no variant of this config is built from this {stage} instance "
+                            f"(the instances in use: {', '.join(sorted(STAGE_INSTANCES))})")
+    return STAGE_INSTANCES[name]
+
+
+def instance_settings(stage):
+    """params: the settings that define the instance the `stage` wildcard names."""
+    return lambda wc: stages.settings_json(stage_instance(stage, wc).settings)
+
+
+def instance_num_shards(stage):
+    return lambda wc: stage_instance(stage, wc).settings["num_shards"]
+
+
+def upstream_file(stage, name):
+    """input: file `name` of the instance that the `stage` wildcard's instance reads."""
+    return lambda wc: f"{R}/{stage_instance(stage, wc).reads}/{name}"
+
+
+def shard_files(stage, suffix):
+    """input: every shard file of the `stage` wildcard's instance (its own num_shards)."""
+
+    def _files(wc):
+        n = stage_instance(stage, wc).settings["num_shards"]
+        return [f"{R}/{getattr(wc, stage)}/shards/{i}-of-{n}{suffix}" for i in range(n)]
+
+    return _files
+
+
+def variant_file(stage, name):
+    """input: file `name` of the `stage` instance that the `variant` wildcard's draft is built from."""
+    return lambda wc: f"{R}/{LINEAGE[wc.variant][stage].dir}/{name}"
+
+
+def variant_lineage(variant):
+    """What the report and the comparison table say a draft descends from: each upstream
+    stage's directory, and the settings in which the variant differs from the base config."""
+    return stages.settings_json({
+        "stage_instances": {stage: inst.dir for stage, inst in LINEAGE[variant].items()},
+        "changed_settings": stages.changed_settings(config, variant),
+    })
+
+
+# --------------------------------------------------------------------------- code and sources
 
 
 def _module_files(base, dotted):
@@ -90,7 +162,7 @@ def _lib_imports(path, seen):
     imports inside the library at any depth."""
     import ast
 
-    lib = Path(SCRIPTS) / "pipeline_lib"
+    lib = SCRIPTS / "pipeline_lib"
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.ImportFrom):
             continue
@@ -116,20 +188,31 @@ def _lib_imports(path, seen):
     return seen
 
 
+@lru_cache(maxsize=None)
 def code_version(*scripts):
-    """Digest of the shared-library modules a rule's script imports (transitively).
+    """Content digest of a rule's program(s) and of the library modules they import
+    (transitively), for `params:`.
 
-    The script itself is a declared input (see script()); this digest in `params:` makes an
-    edit to a library module it uses rerun the rule and everything after it, and an edit to
-    a module it does not use rerun nothing."""
+    Editing a program, or a library module it uses, reruns the rule and everything after it;
+    editing a module it does not use reruns nothing. Files are named relative to scripts/, so
+    where the checkout lives (another path, a second clone) never reruns anything."""
     h = hashlib.sha256()
     deps = set()
     for s in scripts:
-        _lib_imports(Path(SCRIPTS) / s, deps)
+        deps.add(SCRIPTS / s)
+        _lib_imports(SCRIPTS / s, deps)
     for p in sorted(deps):
         h.update(p.relative_to(SCRIPTS).as_posix().encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
+
+
+def script(name):
+    """A rule's program, for `params:` (its content is in code_version()). A pathlib.Path is
+    not a builtin value, so Snakemake keeps it out of the params it records and compares: the
+    checkout's location is never a reason to rerun. As an input it would be (the set of input
+    paths changes when the checkout moves)."""
+    return SCRIPTS / name
 
 
 def stage_resources(stage):
@@ -142,47 +225,57 @@ def res(stage, key):
     return stage_resources(stage)[key]
 
 
-def target_source_inputs(wildcards):
-    """The local file(s) the target is built from, so a changed file reruns the target."""
+def is_packaged(ref):
+    return isinstance(ref, str) and ref.startswith(PYPI_PREFIX)
+
+
+def local_files(refs):
+    """The local (not pypi:) files among `refs` that exist, as inputs: an edited file reruns."""
+    return [ref for ref in refs if ref and not is_packaged(ref) and Path(ref).is_file()]
+
+
+@lru_cache(maxsize=None)
+def packaged_digest(ref):
+    """Content digest of a pypi: asset, for `params:`. Its resolved path lies inside the venv,
+    so as an input a venv at another path would rerun everything; its bytes decide instead.
+    None when the package is missing (the rule's script then says which and what to do)."""
+    try:
+        return path_digest(resolve_asset(ref))
+    except FileNotFoundError:
+        return None
+
+
+def packaged_digests(refs):
+    return {ref: packaged_digest(ref) for ref in refs if is_packaged(ref)}
+
+
+def target_source_refs():
     t = config["target"]
-    if t["source"] in ("local", "gguf") and t["path"]:
-        p = Path(resolve_asset(t["path"]))
-        return [str(p / "config.json")] if p.is_dir() else [str(p)]
-    return []
+    return [t["path"]] if t["source"] in ("local", "gguf") and t["path"] else []
 
 
-def prompt_source_inputs(split):
-    """The local files a prompt split reads (so an edited file reruns it): its own source, and
-    the training source when eval rows are held out of it."""
+def target_source_inputs(wildcards):
+    """The local file(s) the target is built from (a model dir by its config.json)."""
+    files = []
+    for ref in target_source_refs():
+        if not is_packaged(ref):
+            p = Path(ref)
+            files.append(str(p / "config.json") if p.is_dir() else str(p))
+    return files
+
+
+def prompt_source_refs(split):
+    """The sources a prompt split reads: its own, and the training source when eval rows are
+    held out of it."""
     p = config["prompts"]
     sources = [p[split]["source"]]
     if split == "eval" and (sources[0] is None or p["eval_held_out_samples"]):
         sources.append(p["train"]["source"])
-
-    def _inputs(wildcards):
-        files = []
-        for src in filter(None, sources):
-            try:
-                path = Path(resolve_asset(src))
-            except FileNotFoundError:
-                continue
-            if path.is_file():
-                files.append(str(path))
-        return files
-
-    return _inputs
+    return [s for s in sources if s]
 
 
-def trace_shards(wildcards):
-    return expand(f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.jsonl", shard=range(TRACE_SHARDS))
-
-
-def trace_shard_summaries(wildcards):
-    return expand(f"{R}/traces/shards/{{shard}}-of-{TRACE_SHARDS}.summary.json", shard=range(TRACE_SHARDS))
-
-
-def hidden_state_shards(wildcards):
-    return expand(f"{R}/hidden_states/shards/{{shard}}-of-{HS_SHARDS}.json", shard=range(HS_SHARDS))
+def prompt_source_inputs(split):
+    return lambda wc: local_files(prompt_source_refs(split))
 
 
 def report_outputs(variant):
@@ -204,9 +297,7 @@ def provenance_chain(variant):
         f"{R}/target/provenance.json",
         f"{R}/prompts/train.provenance.json",
         f"{R}/prompts/eval.provenance.json",
-        f"{R}/traces/provenance.json",
-        f"{R}/tokenized/provenance.json",
-        f"{R}/hidden_states/provenance.json",
+        *(f"{R}/{inst.dir}/provenance.json" for inst in LINEAGE[variant].values()),
         f"{R}/drafts/{variant}/provenance.json",
     ]
 
@@ -216,7 +307,3 @@ def invoked_as_dry_run():
     return any(a in ("-n", "--dry-run", "--dryrun") or (a.startswith("-") and not a.startswith("--") and "n" in a[1:] and len(a) <= 4 and a[1:].isalpha())
                for a in sys.argv[1:])
 
-
-def script(name):
-    """A rule's program, declared as an input: editing it reruns the rule (input checksum)."""
-    return str(Path(SCRIPTS) / name)

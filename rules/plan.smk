@@ -3,11 +3,10 @@
 
 
 rule plan:
-    input:
-        script=script("plan.py"),
     output:
         f"{R}/plan.json",
     params:
+        script=script("plan.py"),
         settings=lambda wc: json.dumps(config, sort_keys=True),
     conda:
         CONDA_ENV
@@ -17,7 +16,7 @@ rule plan:
         f"{R}/benchmarks/plan.tsv"
     threads: 1
     shell:
-        "python {input.script} --settings {params.settings:q} --results $(dirname {output}) --out {output} 2>&1 | tee {log}"
+        "python {params.script} --settings {params.settings:q} --results $(dirname {output}) --out {output} 2>&1 | tee {log}"
 
 
 if invoked_as_dry_run():

@@ -6,12 +6,13 @@
 rule prompts_train:
     input:
         prompt_source_inputs("train"),
-        script=script("prepare_prompts.py"),
     output:
         prompts=f"{R}/prompts/train.jsonl",
         provenance=f"{R}/prompts/train.provenance.json",
     params:
+        script=script("prepare_prompts.py"),
         settings=lambda wc: prompt_settings("train"),
+        packaged_sources=lambda wc: packaged_digests(prompt_source_refs("train")),
         code=code_version("prepare_prompts.py"),
     conda:
         CONDA_ENV
@@ -24,19 +25,20 @@ rule prompts_train:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "python {input.script} --split train --settings {params.settings:q}"
+        "python {params.script} --split train --settings {params.settings:q}"
         " --out {output.prompts} --provenance {output.provenance} > {log} 2>&1"
 
 
 rule prompts_eval:
     input:
         prompt_source_inputs("eval"),
-        script=script("prepare_prompts.py"),
     output:
         prompts=f"{R}/prompts/eval.jsonl",
         provenance=f"{R}/prompts/eval.provenance.json",
     params:
+        script=script("prepare_prompts.py"),
         settings=lambda wc: prompt_settings("eval"),
+        packaged_sources=lambda wc: packaged_digests(prompt_source_refs("eval")),
         code=code_version("prepare_prompts.py"),
     conda:
         CONDA_ENV
@@ -49,5 +51,5 @@ rule prompts_eval:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "python {input.script} --split eval --settings {params.settings:q}"
+        "python {params.script} --split eval --settings {params.settings:q}"
         " --out {output.prompts} --provenance {output.provenance} > {log} 2>&1"

@@ -5,13 +5,14 @@
 rule target:
     input:
         target_source_inputs,
-        script=script("materialize_target.py"),
     output:
         model=directory(f"{R}/target/model"),
         manifest=f"{R}/target/manifest.json",
         provenance=f"{R}/target/provenance.json",
     params:
+        script=script("materialize_target.py"),
         settings=lambda wc: settings("target"),
+        packaged_sources=lambda wc: packaged_digests(target_source_refs()),
         code=code_version("materialize_target.py"),
     conda:
         CONDA_ENV
@@ -24,6 +25,6 @@ rule target:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "python {input.script} --settings {params.settings:q}"
+        "python {params.script} --settings {params.settings:q}"
         " --out-dir {output.model} --manifest {output.manifest}"
         " --provenance {output.provenance} > {log} 2>&1"

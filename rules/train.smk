@@ -1,25 +1,26 @@
 # Stage 6 - train: one EAGLE-3 draft per variant with speculators' trainer; final/ is the
 # vLLM-loadable draft (best or last epoch), untrained/ the same draft before any step (the
 # verification baseline). Epoch checkpoints live in checkpoints/, outside the declared
-# outputs, so an interrupted run resumes from its latest epoch.
+# outputs, so an interrupted run resumes from its latest epoch. A variant's draft is built from
+# the stage instances its settings name (variant_file, rules/common.smk).
 
 
 rule train_draft:
     input:
-        script=script("train_draft.py"),
-        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         target_manifest=f"{R}/target/manifest.json",
-        data=f"{R}/hidden_states/data",
-        hs_manifest=f"{R}/hidden_states/manifest.json",
+        data=variant_file("hidden_states", "data"),
+        hs_manifest=variant_file("hidden_states", "manifest.json"),
     output:
         final=directory(f"{R}/drafts/{{variant}}/final"),
         untrained=directory(f"{R}/drafts/{{variant}}/untrained"),
         metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
         provenance=f"{R}/drafts/{{variant}}/provenance.json",
     params:
+        script=script("train_draft.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
         settings=lambda wc: variant_settings(wc.variant),
-        code=code_version("train_draft.py"),
+        code=code_version("train_draft.py", "run_on_gpus.py"),
         checkpoints=lambda wc: f"{R}/drafts/{wc.variant}/checkpoints",
     conda:
         CONDA_ENV
@@ -34,8 +35,8 @@ rule train_draft:
         gpu=res("train", "gpu"),
         nodes=res("train", "nodes"),
     shell:
-        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
-        " python {input.script} --settings {params.settings:q}"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
         " --data {input.data} --hs-manifest {input.hs_manifest}"
         " --checkpoints {params.checkpoints} --gpus {resources.gpu} --nodes {resources.nodes}"
@@ -45,14 +46,14 @@ rule train_draft:
 
 rule load_check:
     input:
-        script=script("load_check.py"),
-        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         draft=f"{R}/drafts/{{variant}}/final",
     output:
         f"{R}/drafts/{{variant}}/load_check.json",
     params:
-        code=code_version("load_check.py"),
+        script=script("load_check.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
+        code=code_version("load_check.py", "run_on_gpus.py"),
     conda:
         CONDA_ENV
     log:
@@ -65,6 +66,6 @@ rule load_check:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
-        " python {input.script} --target {input.target} --draft {input.draft}"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {params.script} --target {input.target} --draft {input.draft}"
         " --out {output} > {log} 2>&1"

@@ -5,16 +5,16 @@
 
 rule contract_checks:
     input:
-        script=script("check_contract.py"),
         target=f"{R}/target/model",
         target_manifest=f"{R}/target/manifest.json",
         draft=f"{R}/drafts/{{variant}}/final",
-        hs_manifest=f"{R}/hidden_states/manifest.json",
-        tokenized_stats=f"{R}/tokenized/stats.json",
+        hs_manifest=variant_file("hidden_states", "manifest.json"),
+        tokenized_stats=variant_file("tokenized", "stats.json"),
     output:
         f"{R}/drafts/{{variant}}/verify/contract.json",
     params:
         # Only what the checks read: a change of k or thresholds must not rerun them.
+        script=script("check_contract.py"),
         settings=lambda wc: json.dumps({"reference_draft": config["verify"]["reference_draft"]}),
         code=code_version("check_contract.py"),
     conda:
@@ -28,7 +28,7 @@ rule contract_checks:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "python {input.script} --settings {params.settings:q}"
+        "python {params.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
         " --draft {input.draft} --hs-manifest {input.hs_manifest}"
         " --tokenized-stats {input.tokenized_stats} --out {output} > {log} 2>&1"
@@ -36,8 +36,6 @@ rule contract_checks:
 
 rule acceptance:
     input:
-        script=script("measure_acceptance.py"),
-        gpu_wrapper=script("run_on_gpus.py"),
         target=f"{R}/target/model",
         draft=f"{R}/drafts/{{variant}}/final",
         untrained=f"{R}/drafts/{{variant}}/untrained",
@@ -45,8 +43,10 @@ rule acceptance:
     output:
         f"{R}/drafts/{{variant}}/verify/acceptance.json",
     params:
-        settings=lambda wc: acceptance_settings(),
-        code=code_version("measure_acceptance.py"),
+        script=script("measure_acceptance.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
+        settings=lambda wc: acceptance_settings(wc.variant),
+        code=code_version("measure_acceptance.py", "run_on_gpus.py"),
     conda:
         CONDA_ENV
     log:
@@ -59,15 +59,14 @@ rule acceptance:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "python {input.gpu_wrapper} --gpus {resources.gpu} --"
-        " python {input.script} --settings {params.settings:q}"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --draft {input.draft} --untrained {input.untrained}"
         " --prompts {input.prompts} --out {output} > {log} 2>&1"
 
 
 rule report:
     input:
-        script=script("make_report.py"),
         contract=f"{R}/drafts/{{variant}}/verify/contract.json",
         acceptance=f"{R}/drafts/{{variant}}/verify/acceptance.json",
         metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
@@ -77,7 +76,10 @@ rule report:
         markdown=report(f"{R}/drafts/{{variant}}/report/report.md", category="Verification", labels={"variant": "{variant}", "file": "report.md"}),
         html=report(f"{R}/drafts/{{variant}}/report/report.html", category="Verification", labels={"variant": "{variant}", "file": "report.html"}),
     params:
+        script=script("make_report.py"),
         settings=lambda wc: settings("verify"),
+        # The stage instances the draft descends from, and how the variant differs from the base.
+        lineage=lambda wc: variant_lineage(wc.variant),
         code=code_version("make_report.py"),
     conda:
         CONDA_ENV
@@ -90,7 +92,8 @@ rule report:
         mem_mb=res("default", "mem_mb"),
         runtime=res("default", "runtime"),
     shell:
-        "python {input.script} --settings {params.settings:q} --variant {wildcards.variant}"
+        "python {params.script} --settings {params.settings:q} --variant {wildcards.variant}"
+        " --lineage {params.lineage:q}"
         " --contract {input.contract} --acceptance {input.acceptance} --metrics {input.metrics}"
         " --provenance {input.provenance} --out-dir $(dirname {output.verification})"
         " > {log} 2>&1"
@@ -98,11 +101,13 @@ rule report:
 
 rule compare_variants:
     input:
-        script=script("compare_variants.py"),
         reports=expand(f"{R}/drafts/{{variant}}/report/verification.json", variant=VARIANTS),
     output:
-        report(f"{R}/drafts/comparison.csv", category="Verification", labels={"file": "comparison.csv"}),
+        csv=report(f"{R}/drafts/comparison.csv", category="Verification", labels={"file": "comparison.csv"}),
+        markdown=f"{R}/drafts/comparison.md",
+        html=report(f"{R}/drafts/comparison.html", category="Verification", labels={"file": "comparison.html"}),
     params:
+        script=script("compare_variants.py"),
         code=code_version("compare_variants.py"),
     conda:
         CONDA_ENV
@@ -112,4 +117,5 @@ rule compare_variants:
         f"{R}/benchmarks/compare_variants.tsv"
     threads: 1
     shell:
-        "python {input.script} --reports {input.reports} --out {output} > {log} 2>&1"
+        "python {params.script} --reports {input.reports} --out {output.csv}"
+        " --markdown {output.markdown} --html {output.html} > {log} 2>&1"

@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""One CSV row per draft variant, from each variant's report/verification.json: verdict,
-contract result, mean acceptance length (trained and untrained), per-position acceptance
-rates, speedup, and the selected epoch's validation loss and per-position accuracies.
+"""All draft variants side by side, from each variant's report/verification.json: what the
+variant changes (settings that differ from the base config) and which stage instances it is
+built from, verdict, contract result, mean acceptance length (trained and untrained),
+per-position acceptance rates, speedup, and the selected epoch's validation loss and
+per-position accuracies.
+
+Writes the table as CSV (one row per variant), and as comparison.md and a self-contained
+comparison.html with a plot of the mean acceptance length per variant.
 
     python scripts/compare_variants.py --reports R/drafts/*/report/verification.json \\
-        --out R/drafts/comparison.csv
+        --out R/drafts/comparison.csv --markdown R/drafts/comparison.md --html R/drafts/comparison.html
 """
 from __future__ import annotations
 
@@ -18,6 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
+from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
+
+PLOT = "Mean acceptance length per variant"
+# Columns of the readable table (the CSV has every column).
+SUMMARY_COLUMNS = ["variant", "changed_settings", "verdict", "mean_acceptance_length_trained",
+                   "mean_acceptance_length_untrained", "acceptance_rates_trained", "val_loss", "speedup",
+                   "traces", "tokenized", "hidden_states"]
 
 
 def variant_row(path: Path) -> dict[str, Any]:
@@ -25,8 +37,11 @@ def variant_row(path: Path) -> dict[str, Any]:
     if "variant" not in v or "verdict" not in v:
         raise PipelineError(f"{path}: not a verification.json written by make_report.py (no variant/verdict)")
     acc = v.get("acceptance") or {}
+    lineage = v.get("lineage") or {}
     row: dict[str, Any] = {
         "variant": v["variant"],
+        "changed_settings": "; ".join(f"{k}={fmt(val)}" for k, val in (lineage.get("changed_settings") or {}).items()),
+        **(lineage.get("stage_instances") or {}),
         "verdict": "PASS" if v["verdict"].get("passed") else "FAIL",
         "contract_passed": get_in(v, "contract", "passed"),
         "acceptance_status": acc.get("status"),
@@ -51,10 +66,49 @@ def variant_row(path: Path) -> dict[str, Any]:
     return row
 
 
+def acceptance_plot(rows: list[dict[str, Any]]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    xs = list(range(len(names)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(names) + 2), 3.4))
+    for offset, which in ((-0.2, "trained"), (0.2, "untrained")):
+        ax.bar([x + offset for x in xs], [r.get(f"mean_acceptance_length_{which}") or 0 for r in rows],
+               width=0.4, label=f"{which} draft")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xticks(xs, names, rotation=30, ha="right")
+    ax.set(ylabel="mean acceptance length", title=PLOT)
+    ax.legend()
+    return png(fig)
+
+
+def comparison_sections(rows: list[dict[str, Any]]) -> list[Section]:
+    def cell(row: dict, column: str) -> str:
+        if column == "acceptance_rates_trained":
+            rates = [row[c] for c in row if c.startswith("acceptance_rate_pos") and c.endswith("_trained")]
+            return fmt(rates) if rates else "n/a"
+        value = row.get(column)
+        return "(base config)" if column == "changed_settings" and not value else fmt(value)
+
+    return [Section(f"Draft variants compared ({len(rows)})", [
+        "One row per variant: the settings it changes from the base config, its verification verdict, the mean "
+        "acceptance length of its trained and untrained draft (1.0 = the draft never helps), the trained "
+        "draft's acceptance rate per position, the selected epoch's validation loss, the speedup, and the "
+        "directories of the traces, tokenized data and hidden states it is built from (shared where the "
+        "settings are equal). Every column for every variant is in comparison.csv; each variant's own report "
+        "is in drafts/<variant>/report/."],
+        [Table(SUMMARY_COLUMNS, [[cell(r, c) for c in SUMMARY_COLUMNS] for r in rows])], [PLOT])]
+
+
 def main() -> int:
     p = cli.parser(__doc__)
     p.add_argument("--reports", nargs="+", required=True, help="verification.json of each variant")
     p.add_argument("--out", required=True, help="comparison.csv to write")
+    p.add_argument("--markdown", help="comparison.md to write")
+    p.add_argument("--html", help="comparison.html to write")
     args = p.parse_args()
     rows = [variant_row(Path(r)) for r in args.reports]
     names = [r["variant"] for r in rows]
@@ -68,6 +122,11 @@ def main() -> int:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(args.out, buf.getvalue())
+    sections = comparison_sections(rows)
+    if args.markdown:
+        atomic_write_text(args.markdown, render_markdown(sections, Path(args.html or "comparison.html").name))
+    if args.html:
+        atomic_write_text(args.html, render_html("Draft variants compared", sections, {PLOT: acceptance_plot(rows)}))
     print(f"[compare] {len(rows)} variant(s) -> {args.out}", file=sys.stderr)
     return 0
 

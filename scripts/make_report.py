@@ -19,14 +19,9 @@ job's declared outputs, so a failing report is also kept in <out-dir>/failed/.
 """
 from __future__ import annotations
 
-import base64
 import csv
-import html
-import io
-import json
 import shutil
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +30,7 @@ from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
 
 # settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
 THRESHOLDS = {
@@ -65,19 +61,6 @@ silently: e.g. random embeddings or wrong aux layer ids give acceptance near 1.0
 come from `verify.thresholds`; with `verify.fail_below_threshold: true` a missed one fails the
 build. Every number shown is in verification.json.
 """
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    if isinstance(value, list) and all(isinstance(v, float) for v in value):
-        return "[" + ", ".join(f"{v:.{digits}f}" for v in value) + "]"
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,15 +206,6 @@ def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: 
 # Plots (matplotlib, embedded as base64 PNG)
 
 
-def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
     import matplotlib
 
@@ -250,7 +224,7 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
         ax.set(xlabel="epoch", ylabel="loss", title="Training loss")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend()
-        plots["Training loss per epoch"] = _png(fig)
+        plots["Training loss per epoch"] = png(fig)
         accs = acc_columns(metrics)
         if accs:
             fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -262,7 +236,7 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
             ax.set(xlabel="epoch", ylabel="accuracy", title="Per-position accuracy", ylim=(0, 1))
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend(fontsize=7)
-            plots["Per-position accuracy per epoch"] = _png(fig)
+            plots["Per-position accuracy per epoch"] = png(fig)
     if acceptance.get("status") == "ok":
         trained = get_in(acceptance, "acceptance", "trained", "acceptance_rate_per_position") or []
         untrained = get_in(acceptance, "acceptance", "untrained", "acceptance_rate_per_position") or []
@@ -274,7 +248,7 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
             ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance rate per position",
                    xticks=xs, ylim=(0, 1))
             ax.legend()
-            plots["Acceptance rate per position"] = _png(fig)
+            plots["Acceptance rate per position"] = png(fig)
         cats = get_in(acceptance, "per_category", "trained") or {}
         if cats:
             names = sorted(cats)
@@ -287,7 +261,7 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
             ax.set_xticks(xs, names, rotation=30, ha="right")
             ax.set(ylabel="mean acceptance length", title="Acceptance length per category")
             ax.legend()
-            plots["Acceptance length per category"] = _png(fig)
+            plots["Acceptance length per category"] = png(fig)
         groups = [(label, get_in(acceptance, "throughput", key)) for label, key in
                   (("batch (all prompts)", "batch"), ("concurrency 1", "concurrency_1"))]
         groups = [(label, g) for label, g in groups if g]
@@ -301,26 +275,12 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
             ax.set_xticks(xs, [label for label, _ in groups])
             ax.set(ylabel="output tokens/s", title="Throughput")
             ax.legend()
-            plots["Throughput with and without the draft"] = _png(fig)
+            plots["Throughput with and without the draft"] = png(fig)
     return plots
 
 
 # ---------------------------------------------------------------------------------------------
 # Document model rendered to both Markdown and HTML
-
-
-@dataclass
-class Table:
-    headers: list[str]
-    rows: list[list[Any]]
-
-
-@dataclass
-class Section:
-    title: str
-    text: list[str] = field(default_factory=list)
-    tables: list[Table] = field(default_factory=list)
-    plots: list[str] = field(default_factory=list)
 
 
 def acceptance_sections(acc: dict) -> list[Section]:
@@ -391,6 +351,18 @@ def acceptance_sections(acc: dict) -> list[Section]:
     return sections
 
 
+def lineage_section(lineage: dict) -> Section:
+    instances = lineage.get("stage_instances") or {}
+    changed = lineage.get("changed_settings") or {}
+    return Section("Built from", [
+        "The upstream artifacts this draft descends from (results/<run>/<directory>): a stage keeps the base "
+        "config's directory unless this variant changes its settings, then it gets <stage>-<digest of its "
+        "settings>, shared by every variant with the same settings. "
+        + ("Settings that differ from the base config: " + ", ".join(f"`{k}` = {fmt(v)}" for k, v in changed.items())
+           + "." if changed else "This variant uses the base config's settings.")],
+        [Table(["stage", "directory"], [[stage, d] for stage, d in instances.items()])] if instances else [])
+
+
 def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Section]:
     v = result["verdict"]
     head = Section(f"Draft verification: {variant} — {'PASS' if v['passed'] else 'FAIL'}", [HOW_TO_READ])
@@ -430,6 +402,7 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
         f"validation {fmt(tr.get('selected_val'))}."],
         [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],
         ["Training loss per epoch", "Per-position accuracy per epoch"]))
+    sections.append(lineage_section(result["lineage"]))
     prov_rows = []
     for r in result["provenance"]["records"]:
         if r.get("missing"):
@@ -450,65 +423,6 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
     return sections
 
 
-def _md_cell(v: Any) -> str:
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def render_markdown(sections: list[Section]) -> str:
-    out = []
-    for i, s in enumerate(sections):
-        out.append(("# " if i == 0 else "## ") + s.title + "\n")
-        out += [t + "\n" for t in s.text]
-        for t in s.tables:
-            out.append("| " + " | ".join(t.headers) + " |")
-            out.append("|" + "---|" * len(t.headers))
-            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in t.rows]
-            out.append("")
-        for p in s.plots:
-            out.append(f"_Plot: {p} (see report.html)._\n")
-    return "\n".join(out)
-
-
-def _inline_md(text: str) -> str:
-    """The little Markdown the texts use (**bold**, `code`), escaped for HTML."""
-    import re
-
-    t = html.escape(text)
-    t = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", t)
-    return re.sub(r"`(.+?)`", r"<code>\1</code>", t)
-
-
-def render_html(title: str, sections: list[Section], plots: dict[str, str]) -> str:
-    css = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-           "table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:.9em}"
-           "td,th{border:1px solid #ccc;padding:.25em .5em;text-align:left;vertical-align:top}"
-           "th{background:#f3f3f3}code{background:#f6f6f6}img{max-width:48%;margin:.3em}"
-           ".PASS{color:#06702a;font-weight:bold}.FAIL,.MISMATCH{color:#b00020;font-weight:bold}")
-    body = []
-    for i, s in enumerate(sections):
-        tag = "h1" if i == 0 else "h2"
-        body.append(f"<{tag}>{html.escape(s.title)}</{tag}>")
-        for t in s.text:
-            if t.startswith("- "):
-                body.append(f"<ul><li>{_inline_md(t[2:])}</li></ul>")
-            else:
-                body.append("".join(f"<p>{_inline_md(par)}</p>" for par in t.split("\n\n")))
-        for t in s.tables:
-            body.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in t.headers) + "</tr>")
-            for row in t.rows:
-                cells = []
-                for c in row:
-                    c = str(c)
-                    cls = f' class="{c}"' if c in ("PASS", "FAIL", "MISMATCH") else ""
-                    cells.append(f"<td{cls}>{html.escape(c)}</td>")
-                body.append("<tr>" + "".join(cells) + "</tr>")
-            body.append("</table>")
-        for p in s.plots:
-            body.append(f'<img alt="{html.escape(p)}" title="{html.escape(p)}" src="data:image/png;base64,{plots[p]}">')
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{css}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -519,10 +433,13 @@ def main() -> int:
     p.add_argument("--acceptance", required=True, help="verify/acceptance.json")
     p.add_argument("--metrics", required=True, help="train_metrics.csv")
     p.add_argument("--provenance", nargs="+", default=[], help="provenance.json files, prompts to draft")
+    p.add_argument("--lineage", default="{}", type=cli.json_object,
+                   help="JSON: {stage_instances: {stage: directory}, changed_settings: {section.key: value}} "
+                        "(rules/common.smk variant_lineage)")
     p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     settings = args.settings
-    prov = Provenance("report", settings)
+    prov = Provenance("report", settings, lineage=args.lineage)
 
     contract = read_json(args.contract, "contract checks (contract.json)")
     acceptance = read_json(args.acceptance, "acceptance measurement (acceptance.json)")
@@ -537,6 +454,7 @@ def main() -> int:
     thresholds = evaluate_thresholds(settings, acceptance)
     result = {
         "variant": args.variant,
+        "lineage": args.lineage,
         "verdict": verdict(contract, acceptance, thresholds, settings),
         "thresholds": thresholds,
         "fail_below_threshold": bool(settings.get("fail_below_threshold")),

@@ -71,6 +71,15 @@ def base_test_config(tiny_target: Path) -> dict:
     }
 
 
+def with_defaults(config: dict) -> dict:
+    """A copy of `config` as the workflow sees it: validated, the schema's defaults filled in."""
+    from snakemake.utils import validate
+
+    config = copy.deepcopy(config)
+    validate(config, str(REPO / "schemas" / "config.schema.yaml"))
+    return config
+
+
 @pytest.fixture
 def test_config(tiny_target) -> dict:
     return copy.deepcopy(base_test_config(tiny_target))

@@ -1,28 +1,71 @@
-"""Minimal rebuilds: after a complete run on the test config, each real change reruns exactly
-the jobs it affects (asserted on Snakemake's dry-run plan), and running it leaves the
-artifacts that should not change byte-identical.
+"""Minimal rebuilds: after a complete run on the test config, each row of the README's
+"Rebuilds: what a change reruns" table plans exactly the jobs it says, down to the wildcards
+(which variant, which stage instance, which shard), asserted on Snakemake's dry-run plan; the
+cases that run also check that the artifacts that should not change stay byte-identical.
 
 The complete run uses the transformers backends for generation, hidden states and acceptance
 (no vLLM engine start per case; the vLLM paths have their own tests) and a private copy of the
-workflow, so the code-change case can edit a script without touching the repository."""
+workflow, so the code-change cases can edit scripts without touching the repository. Every
+case works on its own copy of the finished working directory, at another path than the
+original: a moved results/ (with Snakemake's .snakemake/ records) is the common ground of all
+of them.
+
+Relocation: a second checkout of the workflow (and a venv reached through another path) with
+the same results/ plans nothing; an edited script in that checkout reruns exactly its rule and
+what follows."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_snakemake, write_config
+from conftest import PY, REPO, run_snakemake, with_defaults, write_config
+from pipeline_lib import stages
 from pipeline_lib.digests import path_digest
-from test_workflow import planned_jobs
+from test_workflow import planned_job_set
 
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "profiles", "envs"]
-AFTER_TRAIN = {"train_draft", "load_check", "contract_checks", "acceptance", "report", "compare_variants"}
-AFTER_HIDDEN = {"hidden_states_shard", "hidden_states_gather"} | AFTER_TRAIN
-AFTER_TOKENIZE = {"tokenize"} | AFTER_HIDDEN
-AFTER_TRACES = {"traces_shard", "traces_gather"} | AFTER_TOKENIZE
-VERIFY_ONLY = {"acceptance", "report", "compare_variants"}
+RUN = "rebuild"
+TRACE_SHARDS, HS_SHARDS = 2, 1
+
+
+def job(rule: str, **wildcards) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """One planned job as planned_job_set() reports it: (rule, sorted wildcard items)."""
+    return rule, tuple(sorted((k, str(v)) for k, v in wildcards.items()))
+
+
+COMPARE = {job("compare_variants")}
+
+
+def verify_jobs(variant: str) -> set:
+    return {job("acceptance", variant=variant), job("report", variant=variant)}
+
+
+def draft_jobs(variant: str) -> set:
+    return {job(rule, variant=variant) for rule in ("train_draft", "load_check", "contract_checks")} | verify_jobs(variant)
+
+
+def hidden_state_jobs(instance: str, shards: int = HS_SHARDS) -> set:
+    return ({job("hidden_states_shard", hidden_states=instance, shard=i, num_shards=shards) for i in range(shards)}
+            | {job("hidden_states_gather", hidden_states=instance)})
+
+
+def trace_jobs(instance: str, shards: int = TRACE_SHARDS) -> set:
+    return ({job("traces_shard", traces=instance, shard=i, num_shards=shards) for i in range(shards)}
+            | {job("traces_gather", traces=instance)})
+
+
+AFTER_TRAIN = draft_jobs("default") | COMPARE
+AFTER_HIDDEN = hidden_state_jobs("hidden_states") | AFTER_TRAIN
+AFTER_TOKENIZE = {job("tokenize", tokenized="tokenized")} | AFTER_HIDDEN
+AFTER_TRACES = trace_jobs("traces") | AFTER_TOKENIZE
+VERIFY_ONLY = verify_jobs("default") | COMPARE
 
 
 def prompt_rows(n: int) -> list[dict]:
@@ -36,27 +79,34 @@ def rebuild_config(tiny_target: Path, prompts: Path) -> dict:
     from conftest import base_test_config
 
     cfg = base_test_config(tiny_target)
-    cfg["run_name"] = "rebuild"
+    cfg["run_name"] = RUN
     cfg["prompts"]["train"] = {"source": str(prompts), "format": "sharegpt", "num_samples": None}
     cfg["prompts"]["eval"]["num_samples"] = 4
-    cfg["generation"].update(backend="transformers", max_tokens=24, num_shards=2, reasoning_parser=None)
-    cfg["hidden_states"].update(backend="transformers", num_shards=1)
+    cfg["generation"].update(backend="transformers", max_tokens=24, num_shards=TRACE_SHARDS, reasoning_parser=None)
+    cfg["hidden_states"].update(backend="transformers", num_shards=HS_SHARDS)
     cfg["train"].update(epochs=1, total_seq_len=256)
     cfg["verify"].update(backend="transformers", num_prompts=4, max_tokens=16, concurrency_one_prompts=0)
     return cfg
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, tiny_target):
-    root = tmp_path_factory.mktemp("rebuilds")
-    repo = root / "workflow"
-    repo.mkdir()
+def copy_workflow(dest: Path, preserve_mtimes: bool = True) -> Path:
+    """The workflow's files at `dest`. Without preserved mtimes it is what a second clone
+    gives: the same content, at another path, every file newer than the first run."""
+    dest.mkdir(parents=True)
+    copy = shutil.copy2 if preserve_mtimes else shutil.copy
     for name in WORKFLOW_FILES:
         src = REPO / name
         if src.is_dir():
-            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"), copy_function=copy)
         else:
-            shutil.copy2(src, repo / name)
+            copy(src, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_target):
+    root = tmp_path_factory.mktemp("rebuilds")
+    repo = copy_workflow(root / "workflow")
     work = root / "work"
     work.mkdir()
     prompts = work / "prompts.jsonl"
@@ -72,16 +122,30 @@ def clone(work: Path, dest: Path) -> Path:
     return dest
 
 
-def plan(work: Path, cfg: dict, repo: Path) -> set[str]:
-    proc = run_snakemake(work, cfg, "-n", snakefile=repo / "Snakefile")
+def plan(work: Path, cfg: dict, repo: Path, *args: str) -> set:
+    """The jobs a dry-run plans, as {(rule, wildcards)}; 'all' left out."""
+    proc = run_snakemake(work, cfg, "-n", *args, snakefile=repo / "Snakefile")
     out = proc.stdout + proc.stderr
     if "Nothing to be done" in out:
         return set()
-    return set(planned_jobs(out)) - {"all"}
+    return {j for j in planned_job_set(out) if j[0] != "all"}
+
+
+def edited(cfg: dict, change) -> dict:
+    cfg = json.loads(json.dumps(cfg))
+    change(cfg)
+    return cfg
+
+
+def instance_dirs(cfg: dict, variant: str) -> dict[str, str]:
+    """{stage: directory} of the stage instances `variant` is built from, as the workflow
+    computes them (from the config with the schema's defaults)."""
+    cfg = with_defaults(cfg)
+    return {stage: inst.dir for stage, inst in stages.instances_for(cfg, stages.variant_config(cfg, variant)).items()}
 
 
 def artifacts(work: Path) -> dict[str, str]:
-    r = work / "results" / "rebuild"
+    r = work / "results" / RUN
     return {name: path_digest(r / rel) for name, rel in {
         "target": "target/model", "prompts_train": "prompts/train.jsonl", "prompts_eval": "prompts/eval.jsonl",
         "traces": "traces/traces.jsonl", "tokenized": "tokenized/data",
@@ -91,25 +155,44 @@ def artifacts(work: Path) -> dict[str, str]:
 
 def test_nothing_changed_nothing_runs_even_after_dry_runs(built, tmp_path):
     repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+    work = clone(work, tmp_path / "w")  # at another path: a moved results/ reruns nothing either
     assert plan(work, cfg, repo) == set()
     assert plan(work, cfg, repo) == set()  # a dry-run wrote nothing that dirties the DAG
     proc = run_snakemake(work, cfg, snakefile=repo / "Snakefile")
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
+def _upstream_variant(section: str, change: dict):
+    return lambda c: c["variants"].update({"v2": {section: change}})
+
+
 CASES = {
     "train_lr": (lambda c: c["train"].update(lr=0.01), AFTER_TRAIN),
     "draft_vocab_size": (lambda c: c["train"].update(draft_vocab_size=256), AFTER_TRAIN),
     "verify_k": (lambda c: c["verify"].update(num_speculative_tokens=2), VERIFY_ONLY),
-    "verify_threshold": (lambda c: c["verify"]["thresholds"].update(min_mean_acceptance_length=1.1), {"report", "compare_variants"}),
-    "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {"prompts_eval"} | VERIFY_ONLY),
+    "verify_threshold": (lambda c: c["verify"]["thresholds"].update(min_mean_acceptance_length=1.1),
+                         {job("report", variant="default")} | COMPARE),
+    "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {job("prompts_eval")} | VERIFY_ONLY),
+    "eval_held_out_samples": (lambda c: c["prompts"].update(eval_held_out_samples=2),
+                              {job("prompts_train"), job("prompts_eval")} | AFTER_TRACES),
     "temperature": (lambda c: c["generation"].update(temperature=0.7), AFTER_TRACES),
     "max_tokens": (lambda c: c["generation"].update(max_tokens=20), AFTER_TRACES),
     "aux_layer_ids": (lambda c: c["hidden_states"].update(aux_layer_ids=[1, 3, 6]), AFTER_HIDDEN),
     "max_seq_len": (lambda c: c["tokenize"].update(max_seq_len=128), AFTER_TOKENIZE),
-    "new_variant": (lambda c: c["variants"].update({"two-layers": {"draft_layers": 2}}),
-                    AFTER_TRAIN),  # only the new variant's jobs + the comparison table
+    # The full set: every shard of the new layout, and everything after the gather.
+    "trace_num_shards": (lambda c: c["generation"].update(num_shards=3), trace_jobs("traces", 3) | AFTER_TOKENIZE),
+    "hidden_state_num_shards": (lambda c: c["hidden_states"].update(num_shards=2),
+                                hidden_state_jobs("hidden_states", 2) | AFTER_TRAIN),
+    # Resources and concurrency are not what an artifact is: nothing reruns.
+    "resources": (lambda c: c.update(resources={
+        "default": {"threads": 1, "mem_mb": 4000, "runtime": 30},
+        "traces": {"threads": 1, "mem_mb": 16000, "runtime": 600, "gpu": 0},
+        "hidden_states": {"mem_mb": 16000, "runtime": 600}, "train": {"threads": 1, "mem_mb": 32000, "runtime": 999},
+        "verify": {"threads": 1, "runtime": 5}}), set()),
+    # Variants: only the new variant's jobs, by wildcard, and the comparison table.
+    "new_train_variant": (lambda c: c["variants"].update({"v2": {"draft_layers": 2}}), draft_jobs("v2") | COMPARE),
+    "new_variant_same_upstream_values": (
+        _upstream_variant("generation", {"max_tokens": 24, "temperature": 0.0}), draft_jobs("v2") | COMPARE),
 }
 
 
@@ -117,22 +200,100 @@ CASES = {
 def test_change_plans_exactly_the_affected_jobs(built, tmp_path, case):
     repo, work, cfg = built
     work = clone(work, tmp_path / "w")
-    cfg = json.loads(json.dumps(cfg))
     change, expected = CASES[case]
-    change(cfg)
-    assert plan(work, cfg, repo) == expected
+    assert plan(work, edited(cfg, change), repo) == expected
 
 
-def test_new_variant_runs_only_its_own_jobs(built, tmp_path):
+def test_concurrency_and_resource_flags_plan_nothing(built, tmp_path):
     repo, work, cfg = built
     work = clone(work, tmp_path / "w")
-    cfg = json.loads(json.dumps(cfg))
-    cfg["variants"]["small-vocab"] = {"draft_vocab_size": 256}
-    proc = run_snakemake(work, cfg, "-n", snakefile=repo / "Snakefile")
-    out = proc.stdout + proc.stderr
-    assert "variant=small-vocab" in out
-    assert "variant=default" not in out  # the existing variant is not rebuilt
-    assert planned_jobs(out)["train_draft"] == 1
+    assert plan(work, cfg, repo, "--jobs", "1", "--resources", "gpu=8", "mem_mb=1000000",
+                "--set-threads", "train_draft=1") == set()
+
+
+UPSTREAM_VARIANTS = {
+    # section of the variant's override -> the stages that get an instance of their own
+    "generation": ({"max_tokens": 12}, ("traces", "tokenized", "hidden_states")),
+    "tokenize": ({"max_seq_len": 96}, ("tokenized", "hidden_states")),
+    "hidden_states": ({"aux_layer_ids": [1, 3, 6]}, ("hidden_states",)),
+}
+
+
+def variant_jobs(cfg: dict, variant: str, own: tuple[str, ...]) -> set:
+    """Exactly the jobs of a variant whose own upstream instances are the stages `own`."""
+    dirs = instance_dirs(cfg, variant)
+    jobs = draft_jobs(variant) | COMPARE
+    if "traces" in own:
+        jobs |= trace_jobs(dirs["traces"])
+    if "tokenized" in own:
+        jobs |= {job("tokenize", tokenized=dirs["tokenized"])}
+    if "hidden_states" in own:
+        jobs |= hidden_state_jobs(dirs["hidden_states"])
+    return jobs
+
+
+@pytest.mark.parametrize("section", sorted(UPSTREAM_VARIANTS))
+def test_upstream_variant_plans_its_own_stage_instances_only(built, tmp_path, section):
+    repo, work, cfg = built
+    work = clone(work, tmp_path / "w")
+    change, own = UPSTREAM_VARIANTS[section]
+    cfg = edited(cfg, lambda c: c["variants"].update({"v2": {section: change}}))
+    dirs = instance_dirs(cfg, "v2")
+    for stage, directory in dirs.items():  # own instances get <stage>-<digest>, shared ones the base's
+        assert re.fullmatch(rf"{stage}-[0-9a-f]{{10}}", directory) if stage in own else directory == stage, dirs
+    assert plan(work, cfg, repo) == variant_jobs(cfg, "v2", own)
+
+
+def test_adding_a_variant_renames_nothing(built, tmp_path):
+    """Instance names depend on their own settings only: with a generation variant added next
+    to a tokenize variant, the tokenize variant's jobs keep their wildcards. (Removing a
+    variant: see the end of test_generation_variant_runs_and_shares_what_is_equal.)"""
+    repo, work, cfg = built
+    work = clone(work, tmp_path / "w")
+    tok = edited(cfg, lambda c: c["variants"].update({"tok": {"tokenize": {"max_seq_len": 96}}}))
+    both = edited(tok, lambda c: c["variants"].update({"gen": {"generation": {"max_tokens": 12}}}))
+    tok_jobs = variant_jobs(tok, "tok", ("tokenized", "hidden_states"))
+    assert plan(work, tok, repo) == tok_jobs
+    assert plan(work, both, repo) == tok_jobs | variant_jobs(both, "gen", ("traces", "tokenized", "hidden_states"))
+
+
+def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
+    """A generation variant for real: its own traces, tokenized data and hidden states in
+    <stage>-<digest> directories, the base config's artifacts untouched byte for byte, the
+    variant's provenance and report naming the instances, one comparison table and plot."""
+    repo, work, cfg = built
+    work = clone(work, tmp_path / "w")
+    before = artifacts(work)
+    cfg = edited(cfg, lambda c: c["variants"].update({"short": {"generation": {"max_tokens": 12}}}))
+    dirs = instance_dirs(cfg, "short")
+    run_snakemake(work, cfg, snakefile=repo / "Snakefile")
+    assert artifacts(work) == before  # the base config's artifacts: same bytes, same paths
+    r = work / "results" / RUN
+    traces = [json.loads(line) for line in (r / dirs["traces"] / "traces.jsonl").read_text().splitlines()]
+    assert traces and all(t["completion_tokens"] <= 12 for t in traces)
+    assert max(t["completion_tokens"] for t in traces) == 12  # the variant's setting, not the base's 24
+    train_prov = json.loads((r / "drafts/short/provenance.json").read_text())
+    assert train_prov["inputs"]["data"]["path"] == f"results/{RUN}/{dirs['hidden_states']}/data"
+    hs_prov = json.loads((r / dirs["hidden_states"] / "provenance.json").read_text())
+    assert Path(hs_prov["inputs"]["data"]["path"]).parent.name == dirs["tokenized"]
+    verification = json.loads((r / "drafts/short/report/verification.json").read_text())
+    assert verification["lineage"] == {"stage_instances": dirs, "changed_settings": {"generation.max_tokens": 12}}
+    assert verification["provenance"]["chain"]["intact"] and verification["provenance"]["chain"]["links_checked"] > 0
+    assert dirs["traces"] in (r / "drafts/short/report/report.md").read_text()
+    import pandas as pd
+
+    table = pd.read_csv(r / "drafts/comparison.csv").set_index("variant")
+    assert set(table.index) == {"default", "short"}
+    assert table.loc["short", "traces"] == dirs["traces"] and table.loc["default", "traces"] == "traces"
+    assert table.loc["short", "changed_settings"] == "generation.max_tokens=12"
+    html = (r / "drafts/comparison.html").read_text()
+    assert html.count("data:image/png;base64,") == 1 and "short" in html and dirs["hidden_states"] in html
+    check = subprocess.run([PY, str(repo / "scripts/check_provenance.py"), str(r)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert plan(work, cfg, repo) == set()
+    # Removing the variant again: only the comparison table is redone, nothing is renamed.
+    cfg["variants"].pop("short")
+    assert plan(work, cfg, repo) == COMPARE
 
 
 def test_prompt_file_content_change_reruns_prompts_and_after(built, tmp_path):
@@ -143,20 +304,27 @@ def test_prompt_file_content_change_reruns_prompts_and_after(built, tmp_path):
     prompts.write_text(prompts.read_text() + json.dumps(prompt_rows(21)[-1]) + "\n")
     cfg["prompts"]["train"]["source"] = str(prompts)
     write_config(work, cfg)
-    assert plan(work, cfg, repo) == {"prompts_train"} | AFTER_TRACES
+    assert plan(work, cfg, repo) == {job("prompts_train")} | AFTER_TRACES
 
 
-def test_script_code_change_reruns_its_rule_and_after(built, tmp_path):
+CODE_EDITS = {
+    # an edited rule program: its rule and everything after it
+    "scripts/tokenize_traces.py": AFTER_TOKENIZE,
+    # an edited library module: the rules whose programs import it (here the trace shards'
+    # backend registry), and what follows; nothing upstream, nothing else
+    "scripts/pipeline_lib/generation/vllm_backend.py": AFTER_TRACES,
+    # a module only the report and the comparison render with
+    "scripts/pipeline_lib/render.py": {job("report", variant="default")} | COMPARE,
+}
+
+
+@pytest.mark.parametrize("path", sorted(CODE_EDITS))
+def test_code_change_reruns_its_rules_and_after(built, tmp_path, path):
     repo, work, cfg = built
     work = clone(work, tmp_path / "w")
-    script = repo / "scripts" / "tokenize_traces.py"
-    original = script.read_text()
-    try:
-        script.write_text(original + "\n# a code change\n")
-        assert plan(work, cfg, repo) == AFTER_TOKENIZE
-    finally:
-        script.write_text(original)
-    assert plan(work, cfg, repo) == set()
+    checkout = copy_workflow(tmp_path / "checkout")
+    (checkout / path).write_text((checkout / path).read_text() + "\n# a code change\n")
+    assert plan(work, cfg, checkout) == CODE_EDITS[path]
 
 
 def test_aux_layer_change_runs_and_keeps_upstream_bytes(built, tmp_path):
@@ -170,9 +338,9 @@ def test_aux_layer_change_runs_and_keeps_upstream_bytes(built, tmp_path):
     for same in ("target", "prompts_train", "prompts_eval", "traces", "tokenized"):
         assert after[same] == before[same], same
     assert after["hidden_states"] != before["hidden_states"]
-    manifest = json.loads((work / "results/rebuild/hidden_states/manifest.json").read_text())
+    manifest = json.loads((work / f"results/{RUN}/hidden_states/manifest.json").read_text())
     assert manifest["aux_layer_ids"] == [1, 3, 6]
-    final_cfg = json.loads((work / "results/rebuild/drafts/default/final/config.json").read_text())
+    final_cfg = json.loads((work / f"results/{RUN}/drafts/default/final/config.json").read_text())
     assert final_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
 
 
@@ -195,11 +363,46 @@ def test_num_shards_change_keeps_finished_rows(built, tmp_path):
     before = artifacts(work)
     cfg = json.loads(json.dumps(cfg))
     cfg["generation"]["num_shards"] = 3
-    jobs = plan(work, cfg, repo)
-    assert {"traces_shard", "traces_gather"} <= jobs
-    run_snakemake(work, cfg, "results/rebuild/traces/traces.jsonl", snakefile=repo / "Snakefile")
-    shards = sorted((work / "results/rebuild/traces/shards").glob("*-of-3.summary.json"))
+    run_snakemake(work, cfg, f"results/{RUN}/traces/traces.jsonl", snakefile=repo / "Snakefile")
+    shards = sorted((work / f"results/{RUN}/traces/shards").glob("*-of-3.summary.json"))
     assert len(shards) == 3
     summaries = [json.loads(p.read_text()) for p in shards]
     assert sum(s["reused"] for s in summaries) == 20  # every row came from the cache
-    assert path_digest(work / "results/rebuild/traces/traces.jsonl") == before["traces"]
+    assert path_digest(work / f"results/{RUN}/traces/traces.jsonl") == before["traces"]
+
+
+# --------------------------------------------------------------------------------- relocation
+
+
+def test_second_checkout_plans_nothing_and_edits_there_rerun_by_content(built, tmp_path):
+    """The same results/ driven from another checkout (other path, fresh mtimes: a second
+    clone) plans nothing; editing a script in that checkout plans its rule and what follows."""
+    repo, work, cfg = built
+    work = clone(work, tmp_path / "w")
+    second = copy_workflow(tmp_path / "second-clone", preserve_mtimes=False)
+    assert plan(work, cfg, second) == set()
+    script = second / "scripts" / "tokenize_traces.py"
+    script.write_text(script.read_text() + "\n# a code change\n")
+    assert plan(work, cfg, second) == AFTER_TOKENIZE
+    assert plan(work, cfg, repo) == set()  # the first checkout still has the recorded code
+
+
+def test_venv_at_another_path_plans_nothing(built, tmp_path):
+    """The same venv reached through another path (as after moving or recreating it
+    elsewhere): pypi: assets resolve inside it, at other absolute paths, with the same bytes."""
+    repo, work, cfg = built
+    work = clone(work, tmp_path / "w")
+    moved = tmp_path / "venv-elsewhere"
+    moved.symlink_to(Path(sys.prefix), target_is_directory=True)
+    python = moved / "bin" / Path(PY).name
+    env = {**os.environ, "PATH": f"{moved / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    where = subprocess.run([str(python), "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "from pipeline_lib.assets import resolve_asset; print(resolve_asset(sys.argv[2]))",
+                            str(repo / "scripts"), cfg["prompts"]["eval"]["source"]],
+                           capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert where.startswith(str(moved)), where  # the asset's path did change
+    proc = subprocess.run([str(python), "-m", "snakemake", "-s", str(repo / "Snakefile"), "-d", str(work),
+                           "--configfile", str(write_config(work, cfg)), "--cores", "2", "-n"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Nothing to be done" in proc.stdout + proc.stderr, planned_job_set(proc.stdout + proc.stderr)

@@ -31,6 +31,22 @@ def planned_jobs(output: str) -> dict[str, int]:
     return jobs
 
 
+def planned_job_set(output: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Every job of a dry-run's listing as (rule, sorted wildcard items): which rule, and for
+    which variant, stage instance and shard."""
+    jobs, rule, wildcards = set(), None, ()
+    for line in output.splitlines() + ["rule end:"]:
+        m = re.match(r"^(?:local)?rule (\w+):$", line.strip())
+        if m:
+            if rule is not None:
+                jobs.add((rule, wildcards))
+            rule, wildcards = m.group(1), ()
+        elif rule is not None and line.strip().startswith("wildcards:"):
+            items = (w.split("=", 1) for w in line.split(":", 1)[1].strip().split(", "))
+            wildcards = tuple(sorted((k, v) for k, v in items))
+    return jobs
+
+
 def test_lint_is_clean():
     proc = subprocess.run([PY, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

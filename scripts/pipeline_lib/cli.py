@@ -11,22 +11,23 @@ from .errors import PipelineError
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", default="{}", type=_json_arg,
+    p.add_argument("--settings", default="{}", type=json_object,
                    help="JSON object with this stage's config section (see config.yaml); "
                         "'@file.json' reads it from a file")
     return p
 
 
-def _json_arg(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object, inline or '@file.json'."""
     if text.startswith("@"):
         with open(text[1:]) as f:
             text = f.read()
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"--settings is not valid JSON: {err}")
+        raise argparse.ArgumentTypeError(f"not valid JSON: {err}")
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--settings must be a JSON object")
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 

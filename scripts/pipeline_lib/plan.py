@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .stages import STAGES, plan_instances, variant_config
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Throughputs used when the config gives none: per GPU, measured on one H200 (see README).
 DEFAULT_THROUGHPUT = {
@@ -78,8 +80,9 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
 
     variants = {}
     ckpt_total = 0
-    for name, overrides in sorted(config["variants"].items()):
-        t = {**config["train"], **(overrides or {})}
+    _, instances = plan_instances(config)
+    for name in sorted(config["variants"]):
+        t = variant_config(config, name)["train"]
         params = draft_parameters(hidden, vocab or t["draft_vocab_size"], t["draft_vocab_size"], t["draft_layers"],
                                   shape.get("intermediate_size")) if hidden else None
         # bf16 weights per kept epoch + fp32 Adam moments (2x4 bytes) in the latest only.
@@ -94,13 +97,22 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     def stage_res(stage):
         return {**(res.get("default") or {}), **(res.get(stage) or {})}
 
+    # Variants that change upstream settings add stage instances (pipeline_lib/stages.py).
+    per_stage = {stage: [i for i in instances.values() if i.stage == stage] for stage in STAGES}
     jobs = {
         "target": 1, "prompts_train": 1, "prompts_eval": 1,
-        "traces_shard": gen["num_shards"], "traces_gather": 1, "tokenize": 1,
-        "hidden_states_shard": hs["num_shards"], "hidden_states_gather": 1,
+        "traces_shard": sum(i.settings["num_shards"] for i in per_stage["traces"]),
+        "traces_gather": len(per_stage["traces"]), "tokenize": len(per_stage["tokenized"]),
+        "hidden_states_shard": sum(i.settings["num_shards"] for i in per_stage["hidden_states"]),
+        "hidden_states_gather": len(per_stage["hidden_states"]),
         "train_draft": len(variants), "load_check": len(variants), "contract_checks": len(variants),
         "acceptance": len(variants), "report": len(variants), "compare_variants": 1,
     }
+    extra = {stage: len(found) - 1 for stage, found in per_stage.items() if len(found) > 1}
+    if extra:
+        notes.append("variants with their own upstream settings add " + ", ".join(f"{n} {stage}" for stage, n in extra.items())
+                     + " instance(s): the traces and hidden-state tokens, bytes and GPU-hours above are the base "
+                       "config's, for one instance each")
     gpu_hours = {
         "traces": round(completion_tokens / throughput["generation_tokens_per_s"] / 3600, 3),
         "hidden_states": round(train_tokens / throughput["extraction_tokens_per_s"] / 3600, 3),
