@@ -102,14 +102,16 @@ def test_bad_variant_fails_the_dry_run_naming_variant_and_key(tmp_path, cfg, var
 
 
 def test_many_variants_dry_run_plans_each_instance_once(tmp_path, cfg):
-    """120 variants over every section (60 distinct upstream instances): the plan has one job
-    per instance and shard, and stays quick (measured figure printed; the README quotes it)."""
+    """122 variants over every section (31 trace, 61 tokenized, 62 hidden-state instances): the
+    plan has one job per instance and shard, each instance with its own num_shards, and stays
+    quick (the measured figure is printed; the README quotes it)."""
     variants = {"default": {}}
     for i in range(30):
         variants[f"lr{i}"] = {"lr": 0.001 * (i + 1)}
         variants[f"gen{i}"] = {"generation": {"max_tokens": 10 + i}}
         variants[f"gen{i}-lr"] = {"generation": {"max_tokens": 10 + i}, "train": {"lr": 0.5}}
         variants[f"tok{i}"] = {"tokenize": {"max_seq_len": 64 + i}}
+    variants["hs-shards"] = {"hidden_states": {"num_shards": 3}}  # its own instance, in 3 shards
     cfg = with_variants(cfg, variants)
     start = time.time()
     proc = run_snakemake(tmp_path, cfg, "-n")
@@ -118,9 +120,20 @@ def test_many_variants_dry_run_plans_each_instance_once(tmp_path, cfg):
     jobs = planned_jobs(proc.stdout + proc.stderr)
     shards = cfg["generation"]["num_shards"], cfg["hidden_states"]["num_shards"]
     assert jobs["traces_gather"] == 31 and jobs["traces_shard"] == 31 * shards[0]
-    assert jobs["tokenize"] == 61 and jobs["hidden_states_gather"] == 61 and jobs["hidden_states_shard"] == 61 * shards[1]
+    assert jobs["tokenize"] == 61 and jobs["hidden_states_gather"] == 62
+    assert jobs["hidden_states_shard"] == 61 * shards[1] + 3
     assert jobs["train_draft"] == jobs["report"] == len(variants) and jobs["compare_variants"] == 1
     listed = planned_job_set(proc.stdout + proc.stderr)
     assert {w for r, w in listed if r == "tokenize"} == {(("tokenized", d),) for d in
                                                          {lineage(cfg, v)["tokenized"] for v in variants}}
     assert elapsed < 120, f"dry-run of {len(variants)} variants took {elapsed:.1f} s"
+
+
+def test_measurement_renders_prompts_as_the_variant_generated_them(tmp_path, cfg):
+    """A variant's acceptance measurement takes its own generation template arguments (eval
+    prompts are rendered like the training prompts); the base variant keeps the base's."""
+    cfg = with_variants(cfg, {"default": {}, "no-think": {"generation": {"chat_template_kwargs": {"enable_thinking": False}}}})
+    out = run_snakemake(tmp_path, cfg, "-n").stdout
+    commands = {m.group(1): m.group(0) for m in re.finditer(r"measure_acceptance\.py --settings '[^']*'.*?--draft results/\S+/drafts/([\w.-]+)/final", out)}
+    assert '"chat_template_kwargs": {"enable_thinking": false}' in commands["no-think"]
+    assert '"chat_template_kwargs": {}' in commands["default"]
