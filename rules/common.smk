@@ -114,10 +114,6 @@ def instance_settings(stage):
     return lambda wc: stages.settings_json(stage_instance(stage, wc).settings)
 
 
-def instance_num_shards(stage):
-    return lambda wc: stage_instance(stage, wc).settings["num_shards"]
-
-
 def upstream_file(stage, name):
     """input: file `name` of the instance that the `stage` wildcard's instance reads."""
     return lambda wc: f"{R}/{stage_instance(stage, wc).reads}/{name}"

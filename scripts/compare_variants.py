@@ -26,10 +26,19 @@ from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
 
 PLOT = "Mean acceptance length per variant"
-# Columns of the readable table (the CSV has every column).
-SUMMARY_COLUMNS = ["variant", "changed_settings", "verdict", "mean_acceptance_length_trained",
-                   "mean_acceptance_length_untrained", "acceptance_rates_trained", "val_loss", "speedup",
-                   "traces", "tokenized", "hidden_states"]
+# Columns of the readable table and their headers (the CSV has every column).
+SUMMARY_COLUMNS = {"variant": "variant", "changed_settings": "settings changed from the base config",
+                   "verdict": "verdict", "mean_acceptance_length_trained": "mean acceptance length: trained",
+                   "mean_acceptance_length_untrained": "untrained", "acceptance_rates_trained":
+                   "trained: acceptance rate per position", "val_loss": "validation loss", "speedup": "speedup",
+                   "traces": "traces", "tokenized": "tokenized", "hidden_states": "hidden states"}
+CATEGORY_PREFIX = "mean_acceptance_length_trained:"
+
+
+def stage_columns(instances: dict[str, str]) -> dict[str, str]:
+    """The stage instance directories, in the table's (DAG) order."""
+    ordered = [c for c in SUMMARY_COLUMNS if c in instances] + sorted(set(instances) - set(SUMMARY_COLUMNS))
+    return {stage: instances[stage] for stage in ordered}
 
 
 def variant_row(path: Path) -> dict[str, Any]:
@@ -41,7 +50,7 @@ def variant_row(path: Path) -> dict[str, Any]:
     row: dict[str, Any] = {
         "variant": v["variant"],
         "changed_settings": "; ".join(f"{k}={fmt(val)}" for k, val in (lineage.get("changed_settings") or {}).items()),
-        **(lineage.get("stage_instances") or {}),
+        **stage_columns(lineage.get("stage_instances") or {}),
         "verdict": "PASS" if v["verdict"].get("passed") else "FAIL",
         "contract_passed": get_in(v, "contract", "passed"),
         "acceptance_status": acc.get("status"),
@@ -54,6 +63,8 @@ def variant_row(path: Path) -> dict[str, Any]:
     for name in ("trained", "untrained"):
         for i, rate in enumerate(get_in(acc, "acceptance", name, "acceptance_rate_per_position") or []):
             row[f"acceptance_rate_pos{i}_{name}"] = rate
+    for category, result in sorted((get_in(acc, "per_category", "trained") or {}).items()):
+        row[f"{CATEGORY_PREFIX}{category}"] = result.get("mean_acceptance_length")
     row["speedup"] = get_in(acc, "throughput", "speedup")
     row["speedup_measured_at"] = get_in(acc, "throughput", "speedup_measured_at")
     row["speedup_batch"] = get_in(acc, "throughput", "batch", "speedup")
@@ -93,14 +104,19 @@ def comparison_sections(rows: list[dict[str, Any]]) -> list[Section]:
         value = row.get(column)
         return "(base config)" if column == "changed_settings" and not value else fmt(value)
 
+    tables = [Table(list(SUMMARY_COLUMNS.values()), [[cell(r, c) for c in SUMMARY_COLUMNS] for r in rows])]
+    categories = sorted({c[len(CATEGORY_PREFIX):] for r in rows for c in r if c.startswith(CATEGORY_PREFIX)})
+    if categories:
+        tables.append(Table(["variant", *categories],
+                            [[r["variant"], *(fmt(r.get(CATEGORY_PREFIX + c)) for c in categories)] for r in rows]))
     return [Section(f"Draft variants compared ({len(rows)})", [
         "One row per variant: the settings it changes from the base config, its verification verdict, the mean "
         "acceptance length of its trained and untrained draft (1.0 = the draft never helps), the trained "
         "draft's acceptance rate per position, the selected epoch's validation loss, the speedup, and the "
         "directories of the traces, tokenized data and hidden states it is built from (shared where the "
-        "settings are equal). Every column for every variant is in comparison.csv; each variant's own report "
-        "is in drafts/<variant>/report/."],
-        [Table(SUMMARY_COLUMNS, [[cell(r, c) for c in SUMMARY_COLUMNS] for r in rows])], [PLOT])]
+        "settings are equal); then the trained draft's mean acceptance length per eval category. Every "
+        "column for every variant is in comparison.csv; each variant's own report is in "
+        "drafts/<variant>/report/."], tables, [PLOT])]
 
 
 def main() -> int:

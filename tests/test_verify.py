@@ -576,7 +576,8 @@ def test_compare_variants_one_row_per_report(run_dir, vllm_acceptance, good_cont
     vb["variant"] = "broken"
     (tmp_path / "b/verification.json").write_text(json.dumps(vb))
     run_script("compare_variants.py", "--reports", tmp_path / "a/verification.json", tmp_path / "b/verification.json",
-               "--out", tmp_path / "comparison.csv")
+               "--out", tmp_path / "comparison.csv", "--markdown", tmp_path / "comparison.md",
+               "--html", tmp_path / "comparison.html")
     df = pd.read_csv(tmp_path / "comparison.csv").set_index("variant")
     assert list(df.index) == ["default", "broken"]
     trained = vllm_acceptance["acceptance"]["trained"]
@@ -585,6 +586,13 @@ def test_compare_variants_one_row_per_report(run_dir, vllm_acceptance, good_cont
     assert df.loc["default", "verdict"] == "PASS" and df.loc["broken", "verdict"] == "FAIL"
     assert pd.isna(df.loc["broken", "mean_acceptance_length_trained"])
     assert {"speedup", "contract_passed", "val_acc_0", "val_loss", "mean_acceptance_length_untrained"} <= set(df.columns)
+    # The readable table: one row per variant (a draft that could not be measured shows n/a), one plot.
+    rows = [line for line in (tmp_path / "comparison.md").read_text().splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[:3]] == ["| variant", "| default", "| broken"]
+    assert "| FAIL | n/a | n/a |" in rows[2] and "(base config)" in rows[1]
+    html = (tmp_path / "comparison.html").read_text()
+    assert html.count('src="data:image/png;base64,') == 1 and "broken" in html
+    assert not re.findall(r"""(?:src|href)\s*=\s*["'](?!data:)""", html, re.I)
 
 
 # ---------------------------------------------------------------------------------------------
