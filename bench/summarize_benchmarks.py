@@ -1,44 +1,124 @@
 #!/usr/bin/env python
-"""Throughput of the heavy stages from a finished run's own records: Snakemake's benchmark:
-files (wall seconds per job) and the artifacts' token counts.
+"""The benchmark table: per stage, the pipeline's tokens/s from its rules' own records
+(Snakemake benchmark: files, shard summaries, train metrics, checkpoints), the limit measured in
+the same run on the same rows (bench/limits.py), and the ratio. Prints it and writes
+table.csv + table.json (with every underlying figure) into --out.
 
-    python bench/summarize_benchmarks.py results/<run_name>"""
+    python bench/summarize_benchmarks.py --short-run R1 --long-run R2 --limits L --out D"""
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
+
+# issue 10: the transformers traces backend before this work, same short-row config, H200.
+TRACES_BEFORE_TOK_S = 2018.0
 
 
 def wall_s(paths) -> float:
     return sum(float(pd.read_csv(p, sep="\t")["s"].iloc[0]) for p in paths)
 
 
-def main(run_dir: str) -> None:
-    r = Path(run_dir)
-    out = {}
-    traces = json.loads((r / "traces/summary.json").read_text())
-    s = wall_s(sorted((r / "benchmarks/traces").glob("*.tsv")))
-    out["traces"] = {"completion_tokens": traces["completion_tokens"], "wall_s": round(s, 1),
-                     "tokens_per_s": round(traces["completion_tokens"] / s, 1)}
-    hs = json.loads((r / "hidden_states/manifest.json").read_text())
-    shard_files = sorted((r / "benchmarks/hidden_states").glob("*.tsv"))
-    s = wall_s(shard_files)
-    shards = [json.loads(p.read_text()) for p in sorted((r / "hidden_states/shards").glob("*.json"))]
-    out["hidden_states"] = {"tokens": hs["tokens"], "bytes": hs["bytes"], "bytes_per_token": hs["bytes_per_token"],
-                            "jobs_wall_s": round(s, 1), "tokens_per_s_incl_startup": round(hs["tokens"] / s, 1),
-                            "tokens_per_s_extraction": [sh.get("tokens_per_s") for sh in shards]}
-    for bench in sorted((r / "benchmarks/train").glob("*.tsv")):
-        variant = bench.stem
-        metrics = pd.read_csv(r / f"drafts/{variant}/train_metrics.csv")
-        train_rows = metrics[metrics["split"] == "train"]
-        out[f"train/{variant}"] = {"job_wall_s": round(wall_s([bench]), 1),
-                                   "steps_per_s": train_rows.get("steps_per_s", pd.Series(dtype=float)).round(2).tolist(),
-                                   "tokens_per_s": train_rows.get("tokens_per_s", pd.Series(dtype=float)).round(0).tolist()}
-    print(json.dumps(out, indent=2))
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def traces_row(run: Path, limit: dict) -> dict:
+    shards = [read(p) for p in sorted((run / "traces" / "shards").glob("*.summary.json"))]
+    tokens = sum(s["new_completion_tokens"] for s in shards)
+    gen_s = sum(s["generate_s"] for s in shards)
+    warmup_s = sum(s.get("warmup_s") or 0.0 for s in shards)
+    job_s = wall_s(sorted((run / "benchmarks" / "traces").glob("*.tsv")))
+    steady = tokens / (gen_s - warmup_s)
+    return {"stage": "traces (transformers), short rows", "pipeline_tok_s": steady,
+            "limit_tok_s": limit["tokens_per_s"], "ratio": steady / limit["tokens_per_s"],
+            "detail": {"tokens": tokens, "generate_s": gen_s, "warmup_s": warmup_s, "job_s": job_s,
+                       "tok_s_incl_warmup": tokens / gen_s, "tok_s_incl_job_start": tokens / job_s,
+                       "x_before_steady": steady / TRACES_BEFORE_TOK_S,
+                       "x_before_incl_job_start": tokens / job_s / TRACES_BEFORE_TOK_S,
+                       "decoding": [s.get("decoding") for s in shards], "batches": [s.get("batches") for s in shards],
+                       "cache_len": [s.get("cache_len") for s in shards], "limit": limit}}
+
+
+def hidden_states_row(run: Path, limits: dict) -> dict:
+    shards = [read(p) for p in sorted((run / "hidden_states" / "shards").glob("*.json"))]
+    tokens = sum(s["regenerated_tokens"] for s in shards)
+    extract_s = sum(s["extract_s"] for s in shards)
+    job_s = wall_s(sorted((run / "benchmarks" / "hidden_states").glob("*.tsv")))
+    forward, disk = limits["forward"]["tokens_per_s"], limits["disk"]["tokens_per_s"]
+    limit = min(forward, disk)
+    rate = tokens / extract_s
+    return {"stage": "hidden states (transformers), long rows", "pipeline_tok_s": rate, "limit_tok_s": limit,
+            "ratio": rate / limit,
+            "detail": {"tokens": tokens, "bytes": sum(s["bytes"] for s in shards), "extract_s": extract_s,
+                       "startup_s": sum(s["startup_s"] for s in shards), "job_s": job_s,
+                       "tok_s_incl_job_start": tokens / job_s, "forward_limit_tok_s": forward,
+                       "disk_limit_tok_s": disk, "limit_is": "disk" if disk <= forward else "forward",
+                       "limits": limits}}
+
+
+def train_rows(run: Path, limit: dict, variant: str = "default") -> list[dict]:
+    metrics = pd.read_csv(run / "drafts" / variant / "train_metrics.csv")
+    train = metrics[metrics["split"] == "train"]
+    tokens = float(train["tokens"].sum())
+    rule, alone = limit["rule"], limit["alone"]
+    job_s = wall_s([run / "benchmarks" / "train" / f"{variant}.tsv"])
+    epochs = train.to_dict(orient="records")
+    rows = [{"stage": "training through the rule (speculators' run, all epochs)",
+             "pipeline_tok_s": tokens / rule["total_s"], "limit_tok_s": tokens / alone["total_s"],
+             "ratio": alone["total_s"] / rule["total_s"],
+             "detail": {"tokens": tokens, "rule_epoch_s": rule["epoch_s"], "alone_epoch_s": alone["epoch_s"],
+                        "job_s": job_s, "tok_s_job_incl_checks_and_untrained": tokens / job_s,
+                        "alone_process_wall_s": alone["process_wall_s"], "epochs": epochs, "limit": limit}}]
+    if len(rule["epoch_s"]) > 1:
+        last_tokens = float(train["tokens"].iloc[-1])
+        rows.append({"stage": "training, last epoch (steady state)",
+                     "pipeline_tok_s": last_tokens / rule["epoch_s"][-1],
+                     "limit_tok_s": last_tokens / alone["epoch_s"][-1],
+                     "ratio": alone["epoch_s"][-1] / rule["epoch_s"][-1], "detail": {}})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--short-run", required=True, type=Path)
+    p.add_argument("--long-run", required=True, type=Path)
+    p.add_argument("--limits", required=True, type=Path, help="dir with bench/limits.py's traces/hidden_states/train.json")
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args()
+    rows, problems = [], {}
+    builders = [("traces", lambda: [traces_row(args.short_run, read(args.limits / "traces.json"))]),
+                ("hidden_states", lambda: [hidden_states_row(args.long_run, read(args.limits / "hidden_states.json"))]),
+                ("train", lambda: train_rows(args.long_run, read(args.limits / "train.json")))]
+    for name, build in builders:
+        try:  # one stage's missing record must not hide the others' figures
+            rows.extend(build())
+        except (OSError, KeyError, ValueError, IndexError) as err:
+            problems[name] = f"{type(err).__name__}: {err}"
+    table = pd.DataFrame([{k: r[k] for k in ("stage", "pipeline_tok_s", "limit_tok_s", "ratio")} for r in rows])
+    args.out.mkdir(parents=True, exist_ok=True)
+    table.round({"pipeline_tok_s": 0, "limit_tok_s": 0, "ratio": 3}).to_csv(args.out / "table.csv", index=False)
+    (args.out / "table.json").write_text(json.dumps({"rows": rows, "problems": problems}, indent=2, default=str) + "\n")
+    with pd.option_context("display.width", 200, "display.max_colwidth", 60):
+        print(table.round({"pipeline_tok_s": 0, "limit_tok_s": 0, "ratio": 3}).to_string(index=False))
+    for r in rows:
+        d = r["detail"]
+        if "x_before_steady" in d:
+            print(f"traces: {d['x_before_steady']:.1f}x the 2,018 tok/s before (steady), "
+                  f"{d['tok_s_incl_warmup']:.0f} tok/s incl. the {d['warmup_s']:.1f} s compile warm-up, "
+                  f"{d['tok_s_incl_job_start']:.0f} tok/s incl. job start ({d['job_s']:.1f} s job)")
+        if "forward_limit_tok_s" in d:
+            print(f"hidden states: forward limit {d['forward_limit_tok_s']:.0f}, disk limit {d['disk_limit_tok_s']:.0f} "
+                  f"tok/s; pipeline incl. job start {d['tok_s_incl_job_start']:.0f} tok/s")
+        if "rule_epoch_s" in d:
+            print(f"training: epoch seconds rule {d['rule_epoch_s']} vs speculators alone {d['alone_epoch_s']}; "
+                  f"train job {d['job_s']:.1f} s")
+    for name, why in problems.items():
+        print(f"NOT MEASURED: {name}: {why}")
+    print(f"wrote {args.out / 'table.csv'} and {args.out / 'table.json'}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -13,8 +13,9 @@ counts, tokens, bytes, tokens/s, per-file digests) for gather_hidden_states.py.
         --shard 0 --num-shards 1 --store-dir R/hidden_states/store --out R/hidden_states/shards/0-of-1.json
 
 Settings (config.yaml `hidden_states`): backend (vllm|transformers), aux_layer_ids (null =
-speculators' default [2, N//2, N-3]), batch_size (rows per forward pass of the transformers
-backend; vLLM schedules its own batches), dtype, trust_remote_code.
+speculators' default [2, N//2, N-3]), batch_size and batch_tokens (the transformers backend's
+forward passes: at most this many rows and padded tokens; vLLM schedules its own batches),
+dtype, trust_remote_code.
 """
 from __future__ import annotations
 

@@ -271,6 +271,7 @@ def main() -> int:
             counts = generate_with_retries(backend, [PromptRequest(p.id, p.messages) for p in todo],
                                            settings.retries, on_done, log)
             gen_s = time.time() - t0
+            backend_info = backend.describe()  # again: backends add what they measured while generating
         except PipelineError as err:
             raise PipelineError(f"{err}\nFinished rows stay in the row cache {args.cache_dir} ({cached_now} from this "
                                 f"run); rerunning this shard resumes after them") from None

@@ -434,11 +434,17 @@ class EpochMetricsRecorder(logging.Handler):
         self.run_started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._reset()
 
+    # Phases of speculators' per-step profile summed per epoch: where an epoch's time goes
+    # (fetch = waiting for the data loader, including its workers' start in the first step).
+    PHASES = ("fetch", "fwd", "bwd", "opt")
+
     def _reset(self):
         self.sums: dict[str, float] = {}
         self.steps = 0
         self.tokens = 0.0
         self.step_s = 0.0
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+        self.first_step_s = None
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.msg
@@ -453,12 +459,17 @@ class EpochMetricsRecorder(logging.Handler):
             if prof.get("step_ms"):
                 self.step_s += prof["step_ms"] / 1000
                 self.tokens += prof.get("tokens_per_s", 0.0) * prof["step_ms"] / 1000
+                if self.first_step_s is None:  # holds torch.compile's first compile in a fresh run
+                    self.first_step_s = prof["step_ms"] / 1000
+                for phase in self.PHASES:
+                    self.phase_s[phase] += prof.get(f"{phase}_ms", 0.0) / 1000
         elif isinstance(msg.get("val"), dict):
             epoch = int(msg["epoch"])
             train = {k: v / self.steps for k, v in self.sums.items()} if self.steps else {}
             rows = [
                 {"epoch": epoch, "split": "train", "metrics": train, "steps": self.steps,
-                 "tokens": round(self.tokens), "step_s": self.step_s},
+                 "tokens": round(self.tokens), "step_s": self.step_s, "first_step_s": self.first_step_s,
+                 "phase_s": self.phase_s},
                 {"epoch": epoch, "split": "val",
                  "metrics": {k.removesuffix("_epoch"): v for k, v in msg["val"].items()}},
             ]
@@ -569,7 +580,9 @@ def write_metrics_csv(metrics_log: Path, epochs: int, ttt_steps: int, out: Path)
             # step_s: speculators' own per-step timer (data fetch + forward + backward + optimizer).
             row.update({"steps": steps, "tokens": rec.get("tokens"), "step_s": step_s,
                         "steps_per_s": steps / step_s if step_s else None,
-                        "tokens_per_s": rec.get("tokens", 0) / step_s if step_s else None})
+                        "tokens_per_s": rec.get("tokens", 0) / step_s if step_s else None,
+                        "first_step_s": rec.get("first_step_s")})
+            row.update({f"{phase}_s": v for phase, v in (rec.get("phase_s") or {}).items()})
         row.update({k: v for k, v in sorted(m.items()) if k != "loss"})
         table.append(row)
     df = pd.DataFrame(table)

@@ -405,3 +405,119 @@ def test_gather_refuses_inconsistent_inputs(pipeline_run, workdir, tmp_path):
     proc = gather(paths, data=changed)
     assert proc.returncode == 2 and "changed after hidden states were extracted" in proc.stderr
     assert not (tmp_path / "data").exists() and not (tmp_path / "manifest.json").exists()
+
+
+# --------------------------------------------------------------------------------------
+# The transformers backend's pipelined writes (in-process, on the tiny target)
+# --------------------------------------------------------------------------------------
+
+PIPE_LENGTHS = [3, 17, 9, 30, 5, 22, 41, 12, 8, 26, 14, 33, 1, 19]
+
+
+@pytest.fixture(scope="module")
+def pipe_rows() -> list[Row]:
+    g = torch.Generator().manual_seed(0)
+    return [Row(i, torch.randint(10, 2000, (n,), generator=g).tolist()) for i, n in enumerate(PIPE_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def tf_backend(tiny_target):
+    from pipeline_lib.hidden_states import layer_spec
+
+    spec = layer_spec(tiny_target, {})
+    return BACKENDS["transformers"](tiny_target, spec, {"batch_size": 4, "batch_tokens": 96}, max(PIPE_LENGTHS))
+
+
+def serial_write(backend, batches, store: HSStore) -> None:
+    """The pre-pipeline path: forward, a synchronous copy to the host, HSStore.write row by row."""
+    for batch in batches:
+        host = backend.capture(batch).to("cpu")
+        for b, row in enumerate(batch):
+            store.write(row, host[b, :len(row.input_ids)].clone())
+
+
+@pytest.fixture
+def slow_commits(monkeypatch):
+    """Writers that take a while, so the forward runs ahead and every host buffer gets reused
+    while earlier batches are still being written (where a reuse bug would corrupt bytes)."""
+    from pipeline_lib.hidden_states import transformers_backend as module
+
+    monkeypatch.setattr(module, "HOST_BUFFERS", 2)
+    commit = HSStore.commit
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(HSStore, "commit", slow)
+
+
+def test_pipelined_writes_same_bytes_as_serial_path(tf_backend, pipe_rows, tmp_path, slow_commits):
+    batches = tf_backend.plan(pipe_rows)
+    assert len(batches) >= 5 and max(map(len, batches)) == 4  # several multi-row batches, > HOST_BUFFERS
+    assert all(len(b) * max(len(r.input_ids) for r in b) <= 96 for b in batches if len(b) > 1)
+    serial = HSStore(tmp_path / "serial", tf_backend.spec)
+    serial_write(tf_backend, batches, serial)
+    piped = HSStore(tmp_path / "piped", tf_backend.spec)
+    records = {rec.row: rec for rec in tf_backend.extract(pipe_rows, piped)}
+    assert sorted(records) == [r.index for r in pipe_rows]
+    for row in pipe_rows:
+        data = piped.path(row.index).read_bytes()
+        assert data == serial.path(row.index).read_bytes(), f"row {row.index}: bytes differ from the serial path"
+        assert records[row.index] == serial.check(row)  # same size, tokens and digest
+    assert sorted(os.listdir(piped.root)) == sorted(os.listdir(serial.root))  # no temp file left
+
+
+def test_pipelined_values_match_unpadded_forward_when_batching_differs(tf_backend, pipe_rows, tmp_path):
+    """One row per forward (no padding) vs the planned batches: equal within bf16 tolerance."""
+    alone = HSStore(tmp_path / "alone", tf_backend.spec)
+    serial_write(tf_backend, [[r] for r in pipe_rows], alone)
+    batched = HSStore(tmp_path / "batched", tf_backend.spec)
+    list(tf_backend.extract(pipe_rows, batched))
+    identical = 0
+    for row in pipe_rows:
+        a = load_file(batched.path(row.index))["hidden_states"].float()
+        b = load_file(alone.path(row.index))["hidden_states"].float()
+        rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+        assert rel < TOL_MAX_REL_ERR and cos > TOL_MIN_COSINE, f"row {row.index}: rel {rel:.2e}, cos {cos:.6f}"
+        identical += torch.equal(a, b)
+    assert identical < len(pipe_rows)  # the batching really differed somewhere
+
+
+def test_pipelined_writer_error_fails_the_job_and_commits_nothing_invalid(tf_backend, pipe_rows, tmp_path,
+                                                                         monkeypatch):
+    commit = HSStore.commit
+
+    def disk_full_on_row_9(self, row, temp, **kwargs):
+        if row.index == 9:
+            raise OSError(28, "No space left on device")
+        return commit(self, row, temp, **kwargs)
+
+    monkeypatch.setattr(HSStore, "commit", disk_full_on_row_9)
+    store = HSStore(tmp_path / "store", tf_backend.spec)
+    with pytest.raises(OSError, match="No space left"):
+        list(tf_backend.extract(pipe_rows, store))
+    monkeypatch.undo()
+    by_index = {r.index: r for r in pipe_rows}
+    final = [p for p in store.root.iterdir() if not p.name.startswith(".")]
+    assert not store.path(9).exists() and len(final) < len(pipe_rows)
+    for path in final:  # whatever got its final name is complete and valid
+        assert isinstance(store.check(by_index[int(path.stem[3:])]), FileRecord)
+    assert store.clean_temps(range(len(pipe_rows)))  # row 9's temp file is what remains of it
+    # The rerun (what extract_hidden_states does) regenerates exactly the missing rows.
+    todo = [r for r in pipe_rows if store.check(r) == "missing"]
+    assert {rec.row for rec in tf_backend.extract(todo, store)} == {r.index for r in todo}
+    assert all(isinstance(store.check(r), FileRecord) for r in pipe_rows)
+
+
+@pytest.mark.parametrize("where", [(0, 0, 0), (1, 1, 3), (-1, -1, -1)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_found_anywhere(where, value):
+    spec = LayerSpec((1,), 2, 4, "bfloat16")
+    hs = torch.randn(3, 2, 4).to(torch.bfloat16)
+    hs[where] = value
+    from safetensors.torch import save
+
+    data = save({"hidden_states": hs, "token_ids": torch.tensor([5, 6, 7])})
+    assert inspect_hs_bytes(data, [5, 6, 7], spec) == "hidden_states has non-finite values"

@@ -431,3 +431,50 @@ def test_gather_rejects_incomplete_or_mismatched_shards(vllm_runs, tmp_path):
 def test_help(script):
     res = subprocess.run([PY, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--settings" in res.stdout and "--shard" in res.stdout, res.stderr
+
+
+# --------------------------------------------------------------------------- transformers decoding
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_target) -> SimpleNamespace:
+    """Plain `generate`, one prompt at a time (no padding, the default dynamic cache), fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    questions = [q for q in QUESTIONS if len(q) < 1000] + ["hi", "Tell me everything you know about " * 6]
+    answers = {}
+    for i, q in enumerate(questions):
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=tok.pad_token_id)
+        tokens = out[0, len(ids):].tolist()
+        tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+        answers[f"q{i}"] = (tok.decode([t for t in tokens if t != eos]), len(tokens))
+    return SimpleNamespace(questions=questions, answers=answers)
+
+
+@pytest.mark.parametrize("shape_locked", [False, True], ids=["cpu-path", "gpu-path"])
+def test_transformers_greedy_answers_equal_plain_generate(tiny_target, plain_greedy, monkeypatch, shape_locked):
+    """Sorted, left-padded batches over one static cache give the same greedy tokens as plain
+    generate. gpu-path: the CUDA path's shape handling (warm-up generate, every batch filled up
+    to batch_size) runs here too, uncompiled."""
+    from pipeline_lib.generation import GenerationSettings, PromptRequest, make_backend
+    from pipeline_lib.generation.transformers_backend import TransformersBackend
+
+    if shape_locked:
+        monkeypatch.setattr(TransformersBackend, "_compiles", lambda self: not self.stats.get("compile_failed"))
+    settings = GenerationSettings.from_dict({"backend": "transformers", "max_tokens": 24, "batch_size": 4})
+    backend = make_backend(settings, tiny_target, "float32", log=lambda msg: None)
+    backend.start()
+    requests = [PromptRequest(f"q{i}", [{"role": "user", "content": q}]) for i, q in enumerate(plain_greedy.questions)]
+    got = {c.request.id: (c.answer or "", c.completion_tokens) for c in backend.generate(requests)}
+    assert got == plain_greedy.answers
+    stats = backend.describe()
+    assert stats["batches"] == 3 and stats["cache_len"] > 24
+    assert stats["filler_rows"] == (12 - len(requests) if shape_locked else 0)
+    assert (stats["warmup_s"] > 0) == shape_locked

@@ -10,10 +10,19 @@ from ..errors import PipelineError
 
 @register("transformers")
 class TransformersBackend(Backend):
-    """HF generate: batches of batch_size prompts, left padding, greedy (temperature 0) or
-    sampled with torch seeded by `seed` before each batch (so sampled answers depend on the
-    batch composition, unlike vLLM's per-request seeds). A batch that runs past
-    request_timeout_s is cut (generate's max_time); its unfinished prompts are retried."""
+    """HF generate with a static KV cache: on CUDA, transformers compiles the decoding step
+    (torch.compile, CUDA graphs) once and replays it for every batch, which needs every batch
+    to have the same shape. So the prompts are sorted longest first, the cache is sized once
+    for the longest prompt plus max_tokens, every batch holds batch_size rows (the last one is
+    filled up with copies of its last prompt, whose answers are dropped), and one short warm-up
+    generate compiles before the real batches (its seconds are reported as warmup_s).
+    Left padding; greedy (temperature 0) or sampled with torch seeded by `seed` before each batch
+    (so sampled answers depend on the batch composition, unlike vLLM's per-request seeds). A
+    batch that runs past request_timeout_s is cut (generate's max_time); its unfinished prompts
+    are retried."""
+
+    # Decode steps of the warm-up generate: the compiled step is captured and replayed by then.
+    WARMUP_TOKENS = 4
 
     def start(self) -> None:
         import torch
@@ -41,24 +50,41 @@ class TransformersBackend(Backend):
         if s.reasoning_parser:
             self._make_splitter(vllm_tokenizer(self.target, s.trust_remote_code))
         self._prompt_errors = prompt_error_types()
+        # Facts for the shard summary, filled in as batches run.
+        self.stats: dict[str, Any] = {"decoding": "static cache", "warmup_s": 0.0, "batches": 0,
+                                      "filler_rows": 0, "cache_len": None}
+        self._warmed_up = False
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype, "device": self.device}
+        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype, "device": self.device,
+                **self.stats}
 
     def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
         s = self.settings
-        for start in range(0, len(requests), s.batch_size):
-            batch, prompts = [], []
-            for req in requests[start:start + s.batch_size]:
-                try:
-                    ids = self._render(req)
-                except self._prompt_errors as err:  # template errors, over-long prompts
-                    yield Completion.failed(req, err, ERROR_INVALID)
-                    continue
-                batch.append(req)
-                prompts.append(ids)
-            if batch:
-                yield from self._generate_batch(batch, prompts)
+        rendered: list[tuple[PromptRequest, list[int]]] = []
+        for req in requests:
+            try:
+                rendered.append((req, self._render(req)))
+            except self._prompt_errors as err:  # template errors, over-long prompts
+                yield Completion.failed(req, err, ERROR_INVALID)
+        if not rendered:
+            return
+        rendered.sort(key=lambda item: len(item[1]), reverse=True)  # the longest batch sizes the cache
+        cache_len = len(rendered[0][1]) + s.max_tokens
+        if self.max_positions:
+            cache_len = min(cache_len, self.max_positions)
+        cache_len = max(cache_len, self.stats["cache_len"] or 0)  # a retry keeps the compiled shape
+        self.stats["cache_len"] = cache_len
+        if self._compiles() and not self._warmed_up:
+            self._warm_up([ids for _, ids in rendered[:s.batch_size]], cache_len)
+        fill = self._compiles()
+        for start in range(0, len(rendered), s.batch_size):
+            chunk = rendered[start:start + s.batch_size]
+            yield from self._generate_batch([r for r, _ in chunk], [ids for _, ids in chunk], cache_len, fill)
+
+    def _compiles(self) -> bool:
+        """Whether transformers will compile the decoding step (CUDA and a static cache)."""
+        return self.device == "cuda" and not self.stats.get("compile_failed")
 
     def _render(self, req: PromptRequest) -> list[int]:
         text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
@@ -68,30 +94,74 @@ class TransformersBackend(Backend):
             raise ValueError(f"the prompt has {len(ids)} tokens; the target's context is {self.max_positions}")
         return ids
 
-    def _generate_batch(self, batch: list[PromptRequest], prompts: list[list[int]]) -> Iterator[Completion]:
+    def _inputs(self, prompts: list[list[int]]):
         import torch
 
-        s = self.settings
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        max_new = s.max_tokens
-        if self.max_positions:
-            max_new = max(1, min(max_new, self.max_positions - width))
+        return input_ids, mask, width
+
+    def _generate_kwargs(self, max_new: int, cache_len: int) -> dict[str, Any]:
+        s = self.settings
         kwargs: dict[str, Any] = dict(max_new_tokens=max_new, eos_token_id=sorted(self.eos_ids),
-                                      pad_token_id=self.pad_id, max_time=float(s.request_timeout_s))
+                                      pad_token_id=self.pad_id, max_time=float(s.request_timeout_s),
+                                      cache_implementation="static", max_cache_len=cache_len,
+                                      disable_compile=not self._compiles())
         if s.temperature > 0:
-            torch.manual_seed(s.seed)
             kwargs.update(do_sample=True, temperature=float(s.temperature), top_p=float(s.top_p))
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+    def _warm_up(self, prompts: list[list[int]], cache_len: int) -> None:
+        """One short generate on the first batch's shapes: transformers compiles the decoding
+        step here, not inside the first real batch. If compiling fails (no working Triton,
+        an unsupported op), decoding continues uncompiled rather than failing the job."""
+        import time
+
+        import torch
+
+        prompts = prompts + [prompts[-1]] * (self.settings.batch_size - len(prompts))
+        input_ids, mask, _ = self._inputs(prompts)
+        t0 = time.monotonic()
         try:
             with torch.inference_mode():
-                out = self.model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+                self.model.generate(input_ids=input_ids, attention_mask=mask,
+                                    **self._generate_kwargs(self.WARMUP_TOKENS, cache_len))
+            self._warmed_up = True
+            self.stats["decoding"] = "static cache, decoding step compiled by transformers (torch.compile)"
+        except torch.OutOfMemoryError:
+            raise BackendUnavailable(f"out of memory in a batch of {len(prompts)} prompts with a {cache_len}-token "
+                                     f"static cache; lower generation.batch_size") from None
+        except Exception as err:  # torch.compile raises many types (BackendCompilerFailed, Unsupported, ...)
+            self.stats["compile_failed"] = f"{type(err).__name__}: {str(err)[:300]}"
+            self.log(f"[transformers] compiling the decoding step failed ({self.stats['compile_failed']}); "
+                     f"decoding uncompiled")
+        self.stats["warmup_s"] = round(time.monotonic() - t0, 3)
+        self.log(f"[transformers] warm-up (compile) {self.stats['warmup_s']} s; static cache {cache_len} tokens, "
+                 f"batches of {len(prompts)}")
+
+    def _generate_batch(self, batch: list[PromptRequest], prompts: list[list[int]], cache_len: int,
+                        fill: bool) -> Iterator[Completion]:
+        import torch
+
+        s = self.settings
+        filler = s.batch_size - len(prompts) if fill else 0  # same shape as every batch: no recompile
+        input_ids, mask, width = self._inputs(prompts + [prompts[-1]] * filler)
+        max_new = max(1, min(s.max_tokens, cache_len - width))
+        if s.temperature > 0:
+            torch.manual_seed(s.seed)
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=input_ids, attention_mask=mask,
+                                          **self._generate_kwargs(max_new, cache_len))
         except torch.OutOfMemoryError:
             raise BackendUnavailable(f"out of memory generating a batch of {len(batch)} prompts (longest "
                                      f"{width} tokens); lower generation.batch_size") from None
-        generated = out[:, width:].tolist()
+        self.stats["batches"] += 1
+        self.stats["filler_rows"] += filler
+        generated = out[:len(batch), width:].tolist()
         for req, prompt, tokens in zip(batch, prompts, generated):
             stop_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop_at is not None:

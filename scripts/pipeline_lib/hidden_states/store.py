@@ -128,9 +128,21 @@ def inspect_hs_bytes(data: bytes, input_ids: Sequence[int], spec: LayerSpec) -> 
         return f"hidden_states shape {list(hs.shape)}, expected {expected}"
     if hs.dtype != spec.torch_dtype:
         return f"hidden_states dtype {hs.dtype}, expected {spec.dtype}"
-    if not bool(torch.isfinite(hs).all()):
+    if not _all_finite(hs):
         return "hidden_states has non-finite values"
     return None
+
+
+def _all_finite(tensor) -> bool:
+    """True when no value is NaN or +-inf. min/max propagate NaN and surface an infinity, and
+    one aminmax pass reads bf16 ~20x faster than isfinite().all() on CPU: this check runs on
+    every byte the store writes or revalidates."""
+    import torch
+
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 class HSStore:
@@ -185,10 +197,11 @@ class HSStore:
         atomic_write_bytes(self.path(row.index), data)
         return FileRecord(row.index, len(row.input_ids), len(data), _sha256(data))
 
-    def commit(self, row: Row, temp: Path) -> FileRecord:
-        """Validate a file a backend wrote under a temp name, then rename it into place."""
+    def commit(self, row: Row, temp: Path, source: str = "vLLM output") -> FileRecord:
+        """Validate a file a backend wrote under a temp name, then rename it into place.
+        Thread-safe: concurrent commits of different rows share nothing."""
         data = temp.read_bytes()
-        self._require_valid(row, data, f"vLLM output {temp.name}")
+        self._require_valid(row, data, f"{source} {temp.name}")
         with open(temp, "rb") as f:  # durable before it gets its final name
             os.fsync(f.fileno())
         os.replace(temp, self.path(row.index))
