@@ -4,7 +4,7 @@
 the same run on the same rows (bench/limits.py), and the ratio. Prints it and writes
 table.csv + table.json (with every underlying figure) into --out.
 
-    python bench/summarize_benchmarks.py --short-run R1 --long-run R2 --limits L --out D"""
+    python bench/summarize_benchmarks.py --short-run R1 --long-run R2 --limits L --out D [--train-run R3]"""
 from __future__ import annotations
 
 import argparse
@@ -59,25 +59,46 @@ def hidden_states_row(run: Path, limits: dict) -> dict:
                        "limits": limits}}
 
 
+def alone_step_profile(log: Path, steps_per_epoch: list[int]) -> list[dict]:
+    """speculators-alone's per-step profile, per epoch, from its console log (its metric records,
+    printed as `profile/step_ms=...` by speculators' own formatter)."""
+    import re
+
+    text = log.read_text()
+    step_ms = [float(x) for x in re.findall(r"profile/step_ms=([0-9.e+-]+)", text)]
+    tok_s = [float(x) for x in re.findall(r"profile/tokens_per_s=([0-9.e+-]+)", text)]
+    if len(step_ms) != sum(steps_per_epoch) or len(tok_s) != len(step_ms):
+        raise ValueError(f"{log}: {len(step_ms)} step records, expected {sum(steps_per_epoch)}")
+    epochs, at = [], 0
+    for n in steps_per_epoch:
+        ms, tps = step_ms[at:at + n], tok_s[at:at + n]
+        at += n
+        step_s = sum(ms) / 1000
+        tokens = sum(t * m / 1000 for t, m in zip(tps, ms))
+        epochs.append({"steps": n, "step_s": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s,
+                       "first_step_s": ms[0] / 1000})
+    return epochs
+
+
 def train_rows(run: Path, limit: dict, variant: str = "default") -> list[dict]:
     metrics = pd.read_csv(run / "drafts" / variant / "train_metrics.csv")
     train = metrics[metrics["split"] == "train"]
     tokens = float(train["tokens"].sum())
     rule, alone = limit["rule"], limit["alone"]
     job_s = wall_s([run / "benchmarks" / "train" / f"{variant}.tsv"])
-    epochs = train.to_dict(orient="records")
-    rows = [{"stage": "training through the rule (speculators' run, all epochs)",
+    rows = [{"stage": "training through the rule: speculators' start to last checkpoint",
              "pipeline_tok_s": tokens / rule["total_s"], "limit_tok_s": tokens / alone["total_s"],
              "ratio": alone["total_s"] / rule["total_s"],
              "detail": {"tokens": tokens, "rule_epoch_s": rule["epoch_s"], "alone_epoch_s": alone["epoch_s"],
                         "job_s": job_s, "tok_s_job_incl_checks_and_untrained": tokens / job_s,
-                        "alone_process_wall_s": alone["process_wall_s"], "epochs": epochs, "limit": limit}}]
-    if len(rule["epoch_s"]) > 1:
-        last_tokens = float(train["tokens"].iloc[-1])
-        rows.append({"stage": "training, last epoch (steady state)",
-                     "pipeline_tok_s": last_tokens / rule["epoch_s"][-1],
-                     "limit_tok_s": last_tokens / alone["epoch_s"][-1],
-                     "ratio": alone["epoch_s"][-1] / rule["epoch_s"][-1], "detail": {}})
+                        "alone_process_wall_s": alone["process_wall_s"],
+                        "epochs": train.to_dict(orient="records"), "limit": limit}}]
+    steps = [int(n) for n in train["steps"]]
+    alone_steps = alone_step_profile(run / "bench-speculators-alone.log", steps)
+    rule_last = float(train["tokens_per_s"].iloc[-1])
+    rows.append({"stage": "training, last epoch: speculators' per-step times", "pipeline_tok_s": rule_last,
+                 "limit_tok_s": alone_steps[-1]["tokens_per_s"], "ratio": rule_last / alone_steps[-1]["tokens_per_s"],
+                 "detail": {"alone_epochs": alone_steps}})
     return rows
 
 
@@ -85,13 +106,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--short-run", required=True, type=Path)
     p.add_argument("--long-run", required=True, type=Path)
+    p.add_argument("--train-run", type=Path, help="the long-row run whose training was measured (default: --long-run)")
     p.add_argument("--limits", required=True, type=Path, help="dir with bench/limits.py's traces/hidden_states/train.json")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args()
     rows, problems = [], {}
     builders = [("traces", lambda: [traces_row(args.short_run, read(args.limits / "traces.json"))]),
                 ("hidden_states", lambda: [hidden_states_row(args.long_run, read(args.limits / "hidden_states.json"))]),
-                ("train", lambda: train_rows(args.long_run, read(args.limits / "train.json")))]
+                ("train", lambda: train_rows(args.train_run or args.long_run, read(args.limits / "train.json")))]
     for name, build in builders:
         try:  # one stage's missing record must not hide the others' figures
             rows.extend(build())

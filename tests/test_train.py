@@ -155,6 +155,11 @@ def test_metrics_csv_has_a_row_per_epoch_and_split(trained):
     assert train.loc[2, "loss"] < train.loc[0, "loss"]  # it learned something
     assert (train["steps"] > 0).all() and (train["tokens_per_s"] > 0).all()
     assert train["tokens"].nunique() == 1  # every epoch sees the same training rows
+    # Where each epoch's step time went (speculators' per-step profile): phases within the step time.
+    phases = train[["fetch_s", "fwd_s", "bwd_s", "opt_s"]]
+    assert (phases >= 0).all().all() and (train["fwd_s"] > 0).all() and (train["bwd_s"] > 0).all()
+    assert (phases.sum(axis=1) <= train["step_s"] * 1.001).all()
+    assert ((train["first_step_s"] > 0) & (train["first_step_s"] <= train["step_s"])).all()
 
 
 def test_final_is_the_best_epoch_with_relative_verifier_path(trained, hs_run):
