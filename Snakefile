@@ -19,6 +19,15 @@ validate(config, os.path.join(workflow.basedir, "schemas/config.schema.yaml"))
 
 
 include: "rules/common.smk"
+
+
+# Credentials come from the environment, never from the config: config values reach every
+# job's command line, Snakemake's log and metadata, and provenance (pipeline_lib/secrets.py).
+from pipeline_lib.secrets import refuse_credentials_in_config  # noqa: E402
+
+refuse_credentials_in_config(config)
+
+
 include: "rules/target.smk"
 include: "rules/prompts.smk"
 include: "rules/traces.smk"

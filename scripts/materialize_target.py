@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -32,21 +33,21 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.assets import resolve_asset  # noqa: E402
-from pipeline_lib.digests import dir_manifest, file_digest, json_digest, manifest_digest, text_digest  # noqa: E402
+from pipeline_lib.digests import dir_manifest, json_digest, manifest_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_dir, atomic_write_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
-from pipeline_lib.target import has_chat_template, load_config, text_config  # noqa: E402
+from pipeline_lib.target import (chat_template_digest, has_chat_template, load_config, text_config,  # noqa: E402
+                                 tokenizer_digest, weights_digest)
 
 # Weight formats other than safetensors are left behind (the pipeline reads safetensors only).
 SKIPPED_WEIGHT_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".ot", ".tflite"}
 # Files at least this big are hard-linked instead of copied (weights, large tokenizers).
 LINK_MIN_BYTES = 1 << 20
-# What the tokenizer digest covers, besides tokenizer_config.json minus its chat template.
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "special_tokens_map.json"]
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# A hub revision that cannot move: a full commit sha.
+PINNED_REVISION = re.compile(r"[0-9a-f]{40}")
 NO_TEMPLATE_ADVICE = ("the pipeline renders prompts and training rows with the target's chat template. "
                       "Add a chat_template.jinja to the model dir, or pick the -Instruct/-Chat variant "
                       "of the model")
@@ -77,6 +78,12 @@ def materialize_hub(settings: dict, out: Path) -> dict[str, Any]:
     if not revision:
         raise PipelineError(f"target.revision is not set for hub target {hub_id}: hub targets must be pinned. "
                             f"Set target.revision to a commit sha (see the model page's 'Files' history)")
+    if not PINNED_REVISION.fullmatch(revision):
+        # A branch or tag moves: the same config would build from other weights next month.
+        raise PipelineError(f"target.revision = {revision!r} for hub target {hub_id} is not a commit sha: a branch "
+                            f"or tag can move, so the run would not be reproducible. Set it to the full 40-character "
+                            f"commit sha (`hf api` / the model page's 'Files' history, or the snapshot dir name in "
+                            f"your HF cache)")
     snapshot = _download_snapshot(hub_id, revision, bool(settings.get("trust_remote_code")))
     _copy_model_dir(snapshot, out, bool(settings.get("trust_remote_code")))
     # The snapshot dir is named after the commit the revision resolved to.
@@ -268,22 +275,6 @@ def safetensors_summary(paths: list[Path]) -> tuple[str, int]:
     return SAFETENSORS_DTYPES.get(dtype, dtype.lower()), sum(by_dtype.values())
 
 
-def tokenizer_digest(model_dir: Path) -> str:
-    tok_cfg_path = model_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
-    tok_cfg.pop("chat_template", None)
-    parts: dict[str, Any] = {"tokenizer_config.json": tok_cfg}
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).exists():
-            parts[name] = file_digest(model_dir / name)
-    return json_digest(parts)
-
-
-def chat_template_digest(template: str | dict) -> str:
-    """Digest of the template text exactly as the tokenizer loads it (what tokenize renders with)."""
-    return text_digest(template) if isinstance(template, str) else json_digest(template)
-
-
 def build_manifest(model_dir: Path, source: str, info: dict[str, Any], trust_remote_code: bool,
                    file_digests: dict[str, str]) -> dict[str, Any]:
     from transformers import AutoTokenizer
@@ -305,7 +296,7 @@ def build_manifest(model_dir: Path, source: str, info: dict[str, Any], trust_rem
         "source_ref": info["source_ref"],
         "revision": info.get("revision"),
         "config_digest": json_digest(config),
-        "weights_digest": json_digest(sorted([p.name, file_digests[p.name]] for p in weights)),
+        "weights_digest": weights_digest(model_dir, file_digests),
         "tokenizer_digest": tokenizer_digest(model_dir),
         "chat_template_digest": chat_template_digest(tokenizer.chat_template),
         "architectures": config.get("architectures") or text.get("architectures"),

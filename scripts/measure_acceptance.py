@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json  # noqa: E402
-from pipeline_lib.provenance import Provenance, scrub  # noqa: E402
+from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.secrets import scrub  # noqa: E402
 from pipeline_lib.target import load_config, text_config  # noqa: E402
 
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,

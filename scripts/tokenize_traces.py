@@ -31,11 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
-from pipeline_lib.digests import json_digest, text_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_dir, atomic_write_bytes, atomic_write_json, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
-from pipeline_lib.target import load_manifest  # noqa: E402
+from pipeline_lib.target import chat_template_digest, load_manifest, tokenizer_digest  # noqa: E402
 
 FINISH_REASONS = {"stop", "length", "error"}
 PROBE_REASONING = "pipeline-probe-reasoning-7f3a"
@@ -273,10 +272,14 @@ def main() -> None:
     template = tokenizer.chat_template
     if not template:
         raise PipelineError(f"{target}: the target's tokenizer has no chat template; rerun the target stage")
-    template_digest = text_digest(template) if isinstance(template, str) else json_digest(template)
-    if template_digest != manifest.get("chat_template_digest"):
-        raise PipelineError(f"{target}: its chat template differs from the one in {args.manifest} (the model dir "
-                            f"changed after the target stage); rerun the target stage")
+    # Digests of what was actually loaded here; stats.json records them for the contract checks.
+    template_digest = chat_template_digest(template)
+    tok_digest = tokenizer_digest(target)
+    for what, loaded, key in (("chat template differs from the one", template_digest, "chat_template_digest"),
+                              ("tokenizer files differ from the ones", tok_digest, "tokenizer_digest")):
+        if loaded != manifest.get(key):
+            raise PipelineError(f"{target}: its {what} in {args.manifest} (the model dir changed after the "
+                                f"target stage); rerun the target stage")
 
     renderer = ChatRenderer(tokenizer, end_of_turn_ids(target, tokenizer), settings.get("chat_template_kwargs") or {})
     counts = Counts()
@@ -309,7 +312,7 @@ def main() -> None:
         "finish_reasons": dict(counts.finish_reasons),
         "rows_with_reasoning": counts.rows_with_reasoning,
         "reasoning_format": renderer.reasoning_format,
-        "tokenizer_digest": manifest.get("tokenizer_digest"),
+        "tokenizer_digest": tok_digest,
         "chat_template_digest": template_digest,
         "end_of_turn_ids": sorted(renderer.end_of_turn_ids),
     }

@@ -4,7 +4,8 @@
 Reads the hidden-states data dir and its manifest (the aux layer ids come only from there),
 builds the draft vocabulary maps (d2t/t2d) with speculators' vocab-mapping code, and runs
 `speculators.train.cli.main` in this process (CPU or one GPU), under torchrun (one process per
-GPU) or under srun + torchrun (several nodes). Epoch checkpoints go to --checkpoints, which is
+GPU, or --cpu-processes gloo processes on a machine without GPUs) or under srun + torchrun
+(several nodes). Epoch checkpoints go to --checkpoints, which is
 not a declared output: a killed run resumes from its latest complete epoch.
 
 Writes
@@ -15,7 +16,7 @@ Writes
 
     python scripts/train_draft.py --settings '{"epochs": 2, ...}' --target T --target-manifest M \\
         --data D --hs-manifest H --checkpoints C --final F --untrained U --metrics X.csv \\
-        --provenance P.json [--gpus 0] [--nodes 1]
+        --provenance P.json [--gpus 0] [--nodes 1] [--cpu-processes 1]
 """
 from __future__ import annotations
 
@@ -519,7 +520,7 @@ def run_worker(spec_path: str) -> None:
     spec = read_json(spec_path, "trainer worker spec")
     runtime.setup()
     install_logging(Path(spec["metrics_log"]))
-    run_trainer(spec["argv"], on_cpu=False)
+    run_trainer(spec["argv"], on_cpu=spec["on_cpu"])
 
 
 def build_untrained(argv: list[str], build_dir: Path, on_cpu: bool) -> Path:
@@ -608,6 +609,8 @@ def parse_args():
     p.add_argument("--checkpoints", help="epoch checkpoints + work files (kept across runs: resume)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs in total over all nodes (0: train on CPU)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (> 1: srun + torchrun under SLURM)")
+    p.add_argument("--cpu-processes", type=int, default=1,
+                   help="with --gpus 0: training processes on this machine's CPU (> 1: torchrun over gloo)")
     p.add_argument("--final", help="output: the selected epoch's draft, vLLM-loadable")
     p.add_argument("--untrained", help="output: the same draft before training")
     p.add_argument("--metrics", help="output: per-(epoch, split) metrics CSV")
@@ -646,7 +649,7 @@ def train(plan: launch.LaunchPlan, argv: list[str], ckpt: Path, metrics_log: Pat
     if plan.mode == "torchrun" and torch.cuda.device_count() < gpus:
         raise PipelineError(f"--gpus {gpus} but only {torch.cuda.device_count()} CUDA device(s) are "
                             f"visible to this job")
-    atomic_write_json(ckpt / WORKER_SPEC, {"argv": argv, "metrics_log": str(metrics_log.resolve())})
+    atomic_write_json(ckpt / WORKER_SPEC, {"argv": argv, "metrics_log": str(metrics_log.resolve()), "on_cpu": on_cpu})
     rc = launch.run(plan)
     if rc != 0:
         raise PipelineError(f"{plan.mode} training exited with status {rc}; see the log above. "
@@ -687,7 +690,7 @@ def main() -> int | None:
         return run_worker(args.trainer_worker)
 
     settings = TrainSettings.from_dict(args.settings)
-    mode = launch.select_mode(args.gpus, args.nodes)
+    mode = launch.select_mode(args.gpus, args.nodes, args.cpu_processes)
     on_cpu = select_device(args.gpus)
     check_device_settings(settings, on_cpu)
     prov = Provenance("train_draft", settings.as_dict())
@@ -710,7 +713,7 @@ def main() -> int | None:
     # The untrained baseline first: cheap, and it proves the flags before hours of training.
     untrained_src = build_untrained(argv, ckpt / UNTRAINED_BUILD, on_cpu)
     plan = launch.plan(launch.LaunchRequest(
-        gpus=args.gpus, nodes=args.nodes,
+        gpus=args.gpus, nodes=args.nodes, cpu_processes=args.cpu_processes,
         worker=[str(Path(__file__).resolve()), "--trainer-worker", str((ckpt / WORKER_SPEC).resolve())]))
     started = time.time()
     train(plan, argv, ckpt, metrics_log, on_cpu, args.gpus)

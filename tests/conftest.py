@@ -2,7 +2,14 @@
 
 The tiny target (random-weight 8-layer Llama, a real BPE tokenizer trained on the chitchat
 corpus, a chat template with a thinking section) is built once per cache key under
-tests/.cache and reused by every test and by later test sessions."""
+tests/.cache and reused by every test and by later test sessions; so is the tiny reasoning
+target (the same shape, weights set so that greedy decoding reasons, closes </think> and
+answers).
+
+`e2e` is the one complete local run of the whole chain on the reasoning target, shared by
+every test that inspects a real run (test_e2e, test_verify, test_proofs, test_slurm compares
+its SLURM run with it). Set EAGLE3_E2E_WORKDIR to keep that run in a directory of your own
+between sessions while developing: Snakemake then reruns only what changed."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,14 +42,31 @@ def _builder_key() -> str:
     return hashlib.sha256((SCRIPTS / "make_tiny_target.py").read_bytes()).hexdigest()[:12]
 
 
+def build_target(preset: str) -> Path:
+    out = CACHE / f"{preset}-target-{_builder_key()}"
+    if not (out / "config.json").exists():
+        subprocess.run([PY, str(SCRIPTS / "make_tiny_target.py"), "--out", str(out), "--preset", preset],
+                       check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> Path:
     """Path to the tiny target model dir (HF format, safetensors, tokenizer, chat template)."""
-    out = CACHE / f"tiny-target-{_builder_key()}"
-    if not (out / "config.json").exists():
-        subprocess.run([PY, str(SCRIPTS / "make_tiny_target.py"), "--out", str(out), "--preset", "tiny"],
-                       check=True, capture_output=True)
-    return out
+    return build_target("tiny")
+
+
+@pytest.fixture(scope="session")
+def reasoning_target() -> Path:
+    """The tiny-reasoning target: greedy answers are REASONING</think>ANSWER<|im_end|>
+    (scripts/make_tiny_target.py), its generation prompt opens <think>."""
+    return build_target("tiny-reasoning")
+
+
+# The e2e run's threshold on the trained draft's mean acceptance length (report verdict).
+E2E_MIN_TAU = 1.5
+# Planted in the e2e run's environment: neither may appear in any file the run writes.
+E2E_SECRETS = {"HF_TOKEN": "hf_e2eFakeSecretToken1234567890", "OPENAI_API_KEY": "sk-e2eFakeOpenAIKey0987654321"}
 
 
 def base_test_config(tiny_target: Path) -> dict:
@@ -67,7 +92,9 @@ def base_test_config(tiny_target: Path) -> dict:
         "variants": {"default": {}},
         "verify": {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": 8, "max_tokens": 32,
                    "dtype": "float32", "concurrency_one_prompts": 2,
-                   "thresholds": {"min_mean_acceptance_length": 1.0}},
+                   # A bar an untrained draft (tau 1.0) misses; missing it fails the build.
+                   "thresholds": {"min_mean_acceptance_length": E2E_MIN_TAU},
+                   "fail_below_threshold": True},
     }
 
 
@@ -106,10 +133,37 @@ def run_snakemake(workdir: Path, config: dict | Path, *args: str, check: bool = 
 
 
 def run_script(name: str, *args: str, check: bool = True, timeout: float = 900,
-               env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run one of scripts/ as a program, as a rule would."""
+               env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run one of scripts/ as a program, as a rule would (`cwd`: the Snakemake working dir)."""
     proc = subprocess.run([PY, str(SCRIPTS / name), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+@dataclass(frozen=True)
+class E2ERun:
+    work: Path      # Snakemake's working dir
+    results: Path   # work/results/<run_name>
+    config: dict
+
+
+@pytest.fixture(scope="session")
+def e2e(tmp_path_factory, reasoning_target) -> E2ERun:
+    """One complete local run of the whole chain (profiles/default) on the reasoning target,
+    with fake secrets in the environment that must never appear in any file it writes."""
+    reuse = os.environ.get("EAGLE3_E2E_WORKDIR")
+    work = Path(reuse) if reuse else tmp_path_factory.mktemp("e2e")
+    cfg = base_test_config(reasoning_target)
+    saved = {k: os.environ.get(k) for k in E2E_SECRETS}
+    os.environ.update(E2E_SECRETS)
+    try:
+        run_snakemake(work, cfg)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return E2ERun(work, work / "results" / cfg["run_name"], cfg)

@@ -41,7 +41,7 @@ ACCOUNT = "pipeline-test"
 NUM_GPUS = 4          # fake: enough for the tests' GPU jobs to all run at once
 NODE_CPUS = 8          # more than the 2 real cores (config_overrides): room for concurrent jobs
 NODE_MEM_MB = 64000    # not enforced (no cgroups); the pipeline's rules ask for 8000 each
-MIN_JOB_AGE_S = 300    # squeue keeps finished jobs this long: >= 3x the status-check delay
+MIN_JOB_AGE_S = 1800   # squeue (and scontrol, which the tests ask) keep finished jobs this long: >= 3x the status-check delay
 
 
 def _which(name: str) -> str | None:

@@ -380,6 +380,25 @@ def test_bad_shard_index(workdir, tmp_path):
     assert proc.returncode == 2 and "--shard 2 is out of range for --num-shards 2" in proc.stderr
 
 
+def test_weights_changed_after_the_target_stage_are_refused(workdir, tmp_path):
+    """The shard hashes the weight files it is about to load (its target_digest is measured,
+    not copied from the manifest): weights that no longer match the manifest are refused."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(workdir / RUN / "target" / "model", target)
+    tensors = load_file(str(target / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.01
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    args = extract_args(workdir, tmp_path / "store", tmp_path / "shard.json")
+    args[args.index("--target") + 1] = target
+    proc = run_script("extract_hidden_states.py", "--settings", json.dumps({"backend": "transformers"}), *args,
+                      check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{target}: its weight files differ from the ones in" in proc.stderr and "rerun the target stage" in proc.stderr
+    assert not (tmp_path / "shard.json").exists() and not (tmp_path / "store").exists()
+
+
 def test_gather_refuses_inconsistent_inputs(pipeline_run, workdir, tmp_path):
     tok = workdir / RUN / "tokenized"
     paths = sorted((pipeline_run / "shards").glob("*-of-2.json"))

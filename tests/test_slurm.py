@@ -1,40 +1,50 @@
 """profiles/slurm against a REAL single-node SLURM cluster (tests/slurm_cluster.py).
 
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
-placeholders and the status-check settings are replaced (no slurmdbd here, so squeue).
-One module fixture runs, at the same time (each mostly waits on SLURM's status polls):
+placeholders and the status-check settings are replaced (no slurmdbd here, so squeue). One
+module fixture runs, at the same time (each mostly waits on SLURM's status polls):
   - a throwaway workflow whose jobs ask for gpu=1 / gpu=2, run through SLURM;
-  - the pipeline up to PIPELINE_TARGETS, run through SLURM;
-  - the same pipeline targets run locally, as the reference.
-The tests then inspect what each produced. SLURM is never skipped: without it these tests fail
-and say to run .ci/install_slurm.sh."""
+  - the whole pipeline (target to verification report) on the tiny reasoning target, with
+    the e2e run's config plus one fake GPU per GPU stage, one job at a time (the box has two
+    real cores; two vLLM engines at once slow each other ~10x).
+Then a preemption: a second draft variant trains for many epochs, its SLURM job is cancelled
+with `scancel` after some epochs, the rerun resumes after the last saved epoch.
+The local reference is the session's e2e run (conftest.e2e): the same Snakefile and config,
+profiles/default. SLURM is never skipped: without it these tests fail and say to run
+.ci/install_slurm.sh."""
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import re
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import PY, REPO, base_test_config, write_config
+from conftest import PY, REPO, write_config
 from pipeline_lib.digests import path_digest
-from slurm_cluster import NUM_GPUS, PARTITION, BoundedRun, make_test_profile, slurm_cluster  # noqa: F401
+from slurm_cluster import NUM_GPUS, PARTITION, BoundedRun, make_test_profile, run, slurm_cluster  # noqa: F401
 
-# The pipeline outputs built through SLURM and compared with a local run. Extend this list as
-# more stages work on the CI box (e.g. up to the drafts' reports) and raise RUN_TIMEOUT_S.
-PIPELINE_TARGETS = [
-    "results/tiny/target/model",
-    "results/tiny/target/manifest.json",
-    "results/tiny/prompts/train.jsonl",
-    "results/tiny/prompts/eval.jsonl",
-]
-RUN_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 900
 # The only rules that may run on the submitting host: the `localrules` of rules/common.smk.
 LOCAL_RULES = {"all", "traces_gather", "hidden_states_gather", "compare_variants", "plan"}
+# The pipeline's GPU stages (the rules run through scripts/run_on_gpus.py) and the GPUs the
+# SLURM run gives them; training stays on the CPU here (train_draft.py refuses --gpus without
+# a CUDA device, and SLURM's fake GPUs are /dev/null clones).
+GPU_RULES = {"traces_shard", "hidden_states_shard", "load_check", "acceptance"}
+GPU_RESOURCES = {"traces": {"gpu": 1}, "hidden_states": {"gpu": 1}, "verify": {"gpu": 1}}
+# Artifacts whose bytes depend only on their inputs: equal in the SLURM run and the local one.
+DETERMINISTIC = ["target/model", "target/manifest.json", "prompts/train.jsonl", "prompts/eval.jsonl",
+                 "traces/traces.jsonl", "tokenized/data", "tokenized/token_freq.pt", "tokenized/stats.json",
+                 "hidden_states/data", "hidden_states/manifest.json", "drafts/default/final",
+                 "drafts/default/untrained"]
+# The preemption: a variant long enough to be cancelled mid-training (an epoch takes ~0.5 s).
+PREEMPT_VARIANT, PREEMPT_EPOCHS, CANCEL_AFTER_EPOCH = "preempt", 40, 2
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 
 
@@ -93,52 +103,101 @@ class Runs:
     gpu: BoundedRun
     slurm_dir: Path
     pipeline: BoundedRun
-    local_dir: Path
-    local: BoundedRun
+    results: Path
+    local_results: Path
+    preempted: BoundedRun
+    resumed: BoundedRun
+    cancelled_job: str
+    cancelled_after_epoch: int
 
 
 def snakemake_command(snakefile: Path, workdir: Path, *args: str) -> list[str]:
     return [PY, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
 
 
+def wait_for(predicate, timeout: float, what: str, run: BoundedRun):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if run.poll():
+            raise AssertionError(f"{what}: the run ended first ({run.returncode}):\n{run.output[-6000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{run.output[-6000:]}")
+
+
+def preempt_training(runs_dir: Path, profile: Path, config: dict, root: Path) -> tuple[BoundedRun, BoundedRun, str, int]:
+    """Start training a long variant through SLURM, scancel its job once CANCEL_AFTER_EPOCH
+    is saved, then rerun the same command: (cancelled run, rerun, SLURM job id, last epoch
+    saved before the cancel)."""
+    cfg = copy.deepcopy(config)
+    cfg["variants"][PREEMPT_VARIANT] = {"epochs": PREEMPT_EPOCHS}
+    configfile = write_config(root / "preempt", cfg)
+    target = f"results/{cfg['run_name']}/drafts/{PREEMPT_VARIANT}/final"
+    cmd = snakemake_command(REPO / "Snakefile", runs_dir, "--configfile", str(configfile),
+                            "--workflow-profile", str(profile), target)
+    first = BoundedRun(cmd, root / "preempt-1.log", RUN_TIMEOUT_S)
+    try:
+        job = wait_for(lambda: next((sid for _, sid, log in SUBMITTED.findall(first.output)
+                                     if "rule_train_draft" in log), None), 120, "the train_draft submission", first)
+        ckpt = runs_dir / "results" / cfg["run_name"] / "drafts" / PREEMPT_VARIANT / "checkpoints"
+        wait_for(lambda: (ckpt / str(CANCEL_AFTER_EPOCH) / "training_state.json").exists(), 300,
+                 f"epoch {CANCEL_AFTER_EPOCH} of the preempt variant", first)
+        run(["scancel", job])
+        saved = max(int(d.name) for d in ckpt.iterdir() if d.name.isdigit() and (d / "training_state.json").exists())
+        first.wait()
+    finally:
+        first.interrupt()
+    second = BoundedRun(cmd, root / "preempt-2.log", RUN_TIMEOUT_S).wait()
+    return first, second, job, saved
+
+
 @pytest.fixture(scope="module")
-def runs(slurm_cluster, tiny_target, tmp_path_factory):
+def runs(slurm_cluster, e2e, tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-runs")
-    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile")
+    gpu_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-gpu")
+    # One pipeline job at a time: two CPU-bound jobs on the 2 real cores would crawl.
+    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", jobs=1)
 
     gpu_dir = root / "gpu-wf"
     gpu_dir.mkdir()
     (gpu_dir / "recorder.py").write_text(RECORDER)
     (gpu_dir / "Snakefile").write_text(GPU_SNAKEFILE.format(wrapper=str(REPO / "scripts" / "run_on_gpus.py"),
                                                             recorder=str(gpu_dir / "recorder.py")))
-    config = base_test_config(tiny_target)
-    slurm_dir, local_dir = root / "pipeline-slurm", root / "pipeline-local"
-    slurm_cfg, local_cfg = write_config(slurm_dir, config), write_config(local_dir, config)
+    config = copy.deepcopy(e2e.config)
+    config["resources"] = GPU_RESOURCES
+    slurm_dir = root / "pipeline-slurm"
+    slurm_cfg = write_config(slurm_dir, config)
 
     started = [
-        gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(profile)),
+        gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(gpu_profile)),
                           root / "gpu-wf.log", RUN_TIMEOUT_S),
         pipeline := BoundedRun(snakemake_command(REPO / "Snakefile", slurm_dir, "--configfile", str(slurm_cfg),
-                                                 "--workflow-profile", str(profile), *PIPELINE_TARGETS),
+                                                 "--workflow-profile", str(profile)),
                                root / "pipeline-slurm.log", RUN_TIMEOUT_S),
-        # The reference: same Snakefile, config and targets, local execution (profiles/default).
-        local := BoundedRun(snakemake_command(REPO / "Snakefile", local_dir, "--configfile", str(local_cfg),
-                                              "--cores", "2", *PIPELINE_TARGETS),
-                            root / "pipeline-local.log", RUN_TIMEOUT_S),
     ]
     try:
         BoundedRun.wait_all(started)
-        yield Runs(gpu_dir, gpu, slurm_dir, pipeline, local_dir, local)
+        pipeline.check()
+        preempted, resumed, job, saved = preempt_training(slurm_dir, profile, config, root)
+        yield Runs(gpu_dir, gpu, slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
+                   preempted, resumed, job, saved)
     finally:
-        for run in started:  # when the wait above was cut short (e.g. Ctrl-C): nothing keeps running
-            run.interrupt()
-        print(f"\nSLURM test wall times (all at once): GPU workflow {gpu.wall_s:.1f} s, pipeline via SLURM "
-              f"{pipeline.wall_s:.1f} s, pipeline locally {local.wall_s:.1f} s", file=sys.stderr)
+        for r in started:  # when the wait above was cut short (e.g. Ctrl-C): nothing keeps running
+            r.interrupt()
+        print(f"\nSLURM test wall times: GPU workflow {gpu.wall_s:.1f} s, pipeline via SLURM {pipeline.wall_s:.1f} s "
+              f"(alongside)", file=sys.stderr)
 
 
 def test_every_job_goes_through_sbatch_and_its_slurm_log_is_kept(runs):
-    for run, expected_remote in ((runs.gpu, 3), (runs.pipeline, None)):
-        log = run.check()
+    remote, _ = rules_run(runs.pipeline.check())
+    # The whole chain, every stage: nothing but the localrules ran outside SLURM.
+    assert set(remote) == {"target", "prompts_train", "prompts_eval", "traces_shard", "tokenize",
+                           "hidden_states_shard", "train_draft", "load_check", "contract_checks", "acceptance",
+                           "report"}, remote
+    for run_, expected_remote in ((runs.gpu, 3), (runs.pipeline, None), (runs.resumed, 1)):
+        log = run_.check()
         remote, local = rules_run(log)
         submitted = submitted_jobs(log)
         assert remote, f"no job was handed to SLURM:\n{log[-4000:]}"
@@ -181,12 +240,37 @@ def test_gpu_jobs_receive_their_gres_from_slurm(runs):
     print(f"\nGPU jobs running at the same time (pairs): {overlaps}", file=sys.stderr)
 
 
+def slurm_job_rules(log: str) -> dict[str, str]:
+    """{SLURM job id: rule} from Snakemake's output (SLURM's log path names the rule)."""
+    return {sid: re.search(r"rule_(\w+?)/", path).group(1) for sid, path in submitted_jobs(log).items()}
+
+
+def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
+    jobs = slurm_job_rules(runs.pipeline.check())
+    rule_logs = "\n".join(p.read_text(errors="replace") for p in (runs.results / "logs").rglob("*.log"))
+    gpu_jobs = 0
+    for sid, rule in jobs.items():
+        shown = run(["scontrol", "-d", "show", "job", sid]).stdout
+        if rule in GPU_RULES:
+            gpu_jobs += 1
+            assert "TresPerJob=gres:gpu:1" in shown, f"{rule} (job {sid}) was not submitted with --gpus=1:\n{shown}"
+            # The job's GPU wrapper saw the device SLURM allocated (not a local lock's choice).
+            assert re.search(rf"SLURM job {sid} gave CUDA_VISIBLE_DEVICES=[0-{NUM_GPUS - 1}] \(1 GPU", rule_logs), \
+                f"{rule} (job {sid}): no gres reached the job"
+        else:
+            assert "gres:gpu" not in shown, f"CPU rule {rule} (job {sid}) asked for a GPU:\n{shown}"
+    assert gpu_jobs == 6  # 2 trace shards, 2 hidden-state shards, load check, acceptance
+
+
 def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
-    submitted = submitted_jobs(runs.pipeline.check())
+    submitted = submitted_jobs(runs.pipeline.check()) | submitted_jobs(runs.resumed.check())
     # provenance.json records SLURM_JOB_ID (pipeline_lib.provenance.ENV_ALLOW_LIST): every
     # artifact of a submitted rule names one of the submitted jobs; localrules' name none.
-    provenance = sorted((runs.slurm_dir / "results").rglob("*provenance.json"))
-    assert provenance, "the pipeline wrote no provenance.json"
+    provenance = sorted(runs.results.rglob("*provenance.json"))
+    rules = sorted(json.loads(p.read_text())["rule"] for p in provenance)
+    assert rules == sorted(["target", "prompts_train", "prompts_eval", "traces_gather", "tokenize",
+                            "hidden_states_gather", "train_draft", "train_draft", "contract_checks", "acceptance",
+                            "report"]), rules
     for path in provenance:
         record = json.loads(path.read_text())
         job = record.get("env", {}).get("SLURM_JOB_ID")
@@ -196,9 +280,47 @@ def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
             assert job in submitted, f"{path}: rule {record['rule']} ran in SLURM job {job}, submitted: {submitted}"
 
 
-def test_pipeline_targets_through_slurm_match_a_local_run(runs):
-    runs.pipeline.check()
-    runs.local.check()
-    for target in PIPELINE_TARGETS:
-        assert path_digest(runs.slurm_dir / target) == path_digest(runs.local_dir / target), \
-            f"{target} differs between the SLURM run and the local run"
+def test_the_chain_through_slurm_matches_the_local_run(runs):
+    for rel in DETERMINISTIC:
+        assert path_digest(runs.results / rel) == path_digest(runs.local_results / rel), \
+            f"{rel} differs between the SLURM run and the local run"
+    # Acceptance and the verdict too (vLLM greedy in fp32); only timings may differ.
+    ours, theirs = (json.loads((r / "drafts/default/report/verification.json").read_text())
+                    for r in (runs.results, runs.local_results))
+    assert ours["verdict"] == theirs["verdict"] and ours["verdict"]["passed"] is True
+    assert ours["acceptance"]["acceptance"] == theirs["acceptance"]["acceptance"]
+    assert ours["acceptance"]["spans"] == theirs["acceptance"]["spans"]
+    assert ours["provenance"]["chain"]["intact"] is True
+    assert json.loads((runs.results / "drafts/default/load_check.json").read_text())["ok"] is True
+
+
+def test_a_cancelled_training_job_resumes_when_rerun(runs):
+    """scancel hit train_draft's SLURM job after epoch CANCEL_AFTER_EPOCH was saved: that run
+    failed, the rerun resumed after the last saved epoch instead of starting over."""
+    assert runs.preempted.returncode not in (0, None), runs.preempted.output[-4000:]
+    first_jobs = slurm_job_rules(runs.preempted.output)
+    assert first_jobs.get(runs.cancelled_job) == "train_draft"
+    assert f"{runs.cancelled_job}" in runs.preempted.output and "train_draft" in runs.preempted.output
+    runs.resumed.check()
+    [resumed_job] = slurm_job_rules(runs.resumed.output)
+    assert resumed_job != runs.cancelled_job
+    variant = runs.results / "drafts" / PREEMPT_VARIANT
+    prov = json.loads((variant / "provenance.json").read_text())
+    resumed_after = prov["resumed_after_epoch"]
+    # Cancelled once epoch CANCEL_AFTER_EPOCH was saved (a later one may have been saved while
+    # the signal was on its way), well before the last epoch.
+    assert runs.cancelled_after_epoch <= resumed_after < PREEMPT_EPOCHS - 1
+    assert prov["env"]["SLURM_JOB_ID"] == resumed_job
+    log = (runs.results / "logs/train" / f"{PREEMPT_VARIANT}.log").read_text()
+    assert f"resuming after epoch {resumed_after}" in log
+    assert f"Training epoch {resumed_after + 1}/{PREEMPT_EPOCHS} started" not in log  # not trained again
+    # Epochs up to the resume point were trained (and logged) by the cancelled job only, the
+    # rest by the rerun only; no epoch twice.
+    rows = [json.loads(line) for line in (variant / "checkpoints/metrics.jsonl").read_text().splitlines()]
+    keys = [(r["epoch"], r["split"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    first, second = rows[0]["run_started"], rows[-1]["run_started"]
+    assert first != second
+    assert all(r["run_started"] == (first if r["epoch"] <= resumed_after else second) for r in rows)
+    assert {(e, s) for e in range(resumed_after + 1, PREEMPT_EPOCHS) for s in ("train", "val")} <= set(keys)
+    assert (variant / "final/config.json").exists()

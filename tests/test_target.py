@@ -251,6 +251,10 @@ def test_remote_code_runs_only_when_trusted(tiny_target, tmp_path, monkeypatch):
     ({"source": "gguf", "path": "pypi:no_such_package_xyz/m.gguf"}, "no_such_package_xyz"),
     ({"source": "hub", "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "revision": None}, "target.revision"),
     ({"source": "hub", "hub_id": None, "revision": "main"}, "target.hub_id"),
+    # Pinned means a commit sha: a branch, a tag or an abbreviated sha can move or be ambiguous.
+    ({"source": "hub", "hub_id": "acme/tiny-chat", "revision": "main"}, "target.revision = 'main'"),
+    ({"source": "hub", "hub_id": "acme/tiny-chat", "revision": "v1.0"}, "not a commit sha"),
+    ({"source": "hub", "hub_id": "acme/tiny-chat", "revision": COMMIT[:12]}, "not a commit sha"),
     ({"source": "ftp", "path": "x"}, "target.source"),
 ])
 def test_bad_settings_name_the_setting(settings, needle, tmp_path, monkeypatch):
@@ -286,11 +290,11 @@ def warm_hf_cache(hf_home: Path, model: Path, repo: str = "acme/tiny-chat") -> N
 def test_hub_from_warm_cache_offline(tiny_target, tmp_path):
     hf_home = tmp_path / "hf"
     warm_hf_cache(hf_home, tiny_target)
-    materialize(tmp_path, {"source": "hub", "hub_id": "acme/tiny-chat", "revision": "main"},
+    materialize(tmp_path, {"source": "hub", "hub_id": "acme/tiny-chat", "revision": COMMIT},
                 env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
     m = json.loads((tmp_path / "target/manifest.json").read_text())
     assert m["source"] == "hub" and m["source_ref"] == "acme/tiny-chat"
-    assert m["revision"] == "main" and m["resolved_commit"] == COMMIT
+    assert m["revision"] == COMMIT and m["resolved_commit"] == COMMIT
     model = tmp_path / "target/model"
     assert not any(p.is_symlink() for p in model.iterdir())  # real files, not links into the cache
     blob = hf_home / "hub/models--acme--tiny-chat/blobs" / file_digest(tiny_target / "model.safetensors").split(":")[1]
@@ -300,7 +304,7 @@ def test_hub_from_warm_cache_offline(tiny_target, tmp_path):
 def test_hub_unreachable_is_a_clear_error(tmp_path):
     env = {"HF_HOME": str(tmp_path / "empty-hf"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
            "HF_TOKEN": "hf_SecretTokenValue123456"}
-    proc = materialize(tmp_path, {"source": "hub", "hub_id": "acme/tiny-chat", "revision": "main"},
+    proc = materialize(tmp_path, {"source": "hub", "hub_id": "acme/tiny-chat", "revision": COMMIT},
                        check=False, env=env)
     assert proc.returncode == 2
     assert "hub is unreachable" in proc.stderr and "acme/tiny-chat" in proc.stderr

@@ -21,7 +21,7 @@ from conftest import PY, REPO, run_script
 
 import tokenize_traces
 from materialize_target import build_manifest
-from pipeline_lib.digests import dir_manifest
+from pipeline_lib.digests import dir_manifest, text_digest
 from pipeline_lib.errors import PipelineError
 
 PROMPTS = [
@@ -318,6 +318,27 @@ def test_no_usable_row_is_an_error_and_writes_nothing(tiny_target, manifest, tmp
     with pytest.raises(PipelineError, match=rf"^{traces}: no usable row \(1 rows, 1 failed"):
         run_main_in_process(monkeypatch, tiny_target, manifest, traces, out)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_tokenizer_files_changed_after_target_stage(tiny_target, manifest, tmp_path, monkeypatch):
+    edited = tmp_path / "target"
+    shutil.copytree(tiny_target, edited)
+    cfg = json.loads((edited / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 123456
+    (edited / "tokenizer_config.json").write_text(json.dumps(cfg))
+    traces = write_jsonl(tmp_path / "traces.jsonl", [trace(0, PROMPTS[0], "ok")])
+    with pytest.raises(PipelineError, match="tokenizer files differ from the ones in"):
+        run_main_in_process(monkeypatch, edited, manifest, traces, tmp_path / "tok")
+
+
+def test_stats_record_the_digests_of_what_was_loaded(real, tiny_target):
+    """The contract checks compare these with the target manifest: they must be measured here
+    from the files the tokenizer loaded, not copied from the manifest."""
+    from pipeline_lib.target import tokenizer_digest
+
+    stats = real["stats"]
+    assert stats["tokenizer_digest"] == tokenizer_digest(tiny_target)
+    assert stats["chat_template_digest"] == text_digest((tiny_target / "chat_template.jinja").read_text())
 
 
 def test_chat_template_changed_after_target_stage(tiny_target, manifest, tmp_path, monkeypatch):

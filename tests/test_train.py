@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -221,6 +222,49 @@ def test_checkpoints_pruned_to_keep_last_with_optimizer_only_in_latest(trained):
         assert (ckpt / str(n) / "model.safetensors").exists()
     assert (ckpt / "checkpoint_best").resolve() == (ckpt / str(prov["best_epoch"])).resolve()
     assert prov["checkpoints"]["removed"] == [e for e in range(3) if e not in epochs]
+
+
+def test_select_last_takes_the_last_epoch_not_the_best(trained, hs_run, tmp_path):
+    """train.select: last. The finished checkpoints of `trained` are copied and their best
+    link pointed at epoch 1, so best and last differ for sure; the rerun resumes after the
+    last epoch (nothing left to train) and must export epoch 2, not the best one."""
+    out = tmp_path / "drafts" / "last"
+    shutil.copytree(trained["out"] / "checkpoints", out / "checkpoints", symlinks=True)
+    best = out / "checkpoints" / "checkpoint_best"
+    best.unlink()
+    best.symlink_to("1")
+    proc = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 3, "select": "last"}, out),
+                      timeout=600)
+    assert "resuming after epoch 2" in proc.stdout
+    prov = json.loads((out / "provenance.json").read_text())
+    assert (prov["selected_epoch"], prov["best_epoch"], prov["settings"]["select"]) == (2, 1, "last")
+    final = read_safetensors(out / "final" / "model.safetensors")
+    for epoch, same in ((2, True), (1, False)):
+        ckpt = read_safetensors(out / "checkpoints" / str(epoch) / "model.safetensors")
+        assert all((final[k] == ckpt[k]).all() for k in final) is same, epoch
+
+
+def test_torchrun_worker_path_trains_on_cpu_with_two_gloo_processes(trained, hs_run, tmp_path):
+    """The multi-process path (torchrun -> --trainer-worker -> speculators' DDP) run for real:
+    two processes on the CPU over gloo, each training on its half of the batches."""
+    import pandas as pd
+
+    out = tmp_path / "drafts" / "ddp"
+    proc = run_script("train_draft.py", *train_args(hs_run, SETTINGS, out), "--cpu-processes", "2", timeout=600,
+                      env={"OMP_NUM_THREADS": "1"})
+    log = proc.stdout + proc.stderr
+    assert "launch torchrun" in log and "--nproc-per-node=2" in log and "--trainer-worker" in log
+    ranks = re.findall(r"Started distributed on CPU \(gloo\) with local_rank=(\d), dp_size=2", log)
+    assert sorted(ranks) == ["0", "1"], log[-3000:]
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["launch"]["mode"] == "torchrun" and prov["launch"]["world_size"] == 2
+    ddp = pd.read_csv(out / "train_metrics.csv").set_index(["epoch", "split"])
+    single = pd.read_csv(trained["out"] / "train_metrics.csv").set_index(["epoch", "split"])
+    # Data parallel: each rank steps through about half of the batches a single process takes.
+    assert 0 < ddp.loc[(0, "train"), "steps"] < single.loc[(0, "train"), "steps"]
+    assert ddp.loc[(0, "val"), "loss"] > 0
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX
 
 
 def test_secrets_stay_out_of_provenance_and_log(trained):

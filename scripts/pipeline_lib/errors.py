@@ -12,12 +12,16 @@ class PipelineError(Exception):
 
 
 def run_main(main: Callable[[], object]) -> None:
+    # Messages and tracebacks can quote inputs (paths, settings, a server's reply): they reach
+    # the job's log only after secrets are scrubbed from them.
+    from .secrets import scrub
+
     try:
         result = main()
     except PipelineError as err:
-        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+        print(f"ERROR: {scrub(str(err))}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception:
-        traceback.print_exc()
+        print(scrub(traceback.format_exc()), file=sys.stderr, end="", flush=True)
         sys.exit(1)
     sys.exit(result if isinstance(result, int) else 0)

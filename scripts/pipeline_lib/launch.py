@@ -1,6 +1,7 @@
 """How the training processes are started: one process (CPU or one GPU), torchrun with one
-process per GPU (speculators then shards with FSDP/DDP itself), or srun starting one torchrun
-per node that meet through a c10d rendezvous on the allocation's first node.
+process per GPU (speculators then shards with FSDP/DDP itself) or with `cpu_processes` gloo
+processes on a machine without GPUs, or srun starting one torchrun per node that meet through
+a c10d rendezvous on the allocation's first node.
 
 plan() only builds the command and the environment it needs; run() executes it. Commands are
 plain argv lists (no shell), so paths with spaces survive and tests can compare them."""
@@ -34,6 +35,7 @@ class LaunchRequest:
     gpus: int
     nodes: int
     worker: list[str]             # script + args each training process runs (no interpreter)
+    cpu_processes: int = 1        # with gpus == 0: processes on this machine's CPU (gloo)
     python: str = sys.executable
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     head_node: Callable[[str], str] | None = None  # SLURM nodelist -> first host (tests inject)
@@ -46,9 +48,10 @@ def _in_process(req: LaunchRequest) -> LaunchPlan:
 def _torchrun(req: LaunchRequest) -> LaunchPlan:
     # `python -m torch.distributed.run` is torchrun with this very interpreter (a `torchrun`
     # on PATH may belong to another environment). --standalone picks a free local port.
+    procs = req.gpus or req.cpu_processes
     cmd = [req.python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc-per-node={req.gpus}", "--max-restarts=0", *req.worker]
-    return LaunchPlan("torchrun", cmd, {"PYTHONUNBUFFERED": "1"}, world_size=req.gpus)
+           f"--nproc-per-node={procs}", "--max-restarts=0", *req.worker]
+    return LaunchPlan("torchrun", cmd, {"PYTHONUNBUFFERED": "1"}, world_size=procs)
 
 
 def _srun_torchrun(req: LaunchRequest) -> LaunchPlan:
@@ -92,10 +95,15 @@ LAUNCHERS: dict[str, Callable[[LaunchRequest], LaunchPlan]] = {
 }
 
 
-def select_mode(gpus: int, nodes: int) -> str:
-    if gpus < 0 or nodes < 1:
-        raise PipelineError(f"--gpus {gpus} --nodes {nodes}: need gpus >= 0 and nodes >= 1 "
-                            f"(resources.train.gpu / resources.train.nodes)")
+def select_mode(gpus: int, nodes: int, cpu_processes: int = 1) -> str:
+    if gpus < 0 or nodes < 1 or cpu_processes < 1:
+        raise PipelineError(f"--gpus {gpus} --nodes {nodes} --cpu-processes {cpu_processes}: need gpus >= 0, "
+                            f"nodes >= 1 and cpu_processes >= 1 (resources.train.gpu / resources.train.nodes)")
+    if gpus == 0 and cpu_processes > 1:
+        if nodes > 1:
+            raise PipelineError(f"--cpu-processes {cpu_processes} trains on this machine's CPU; it does not "
+                                f"combine with --nodes {nodes}")
+        return "torchrun"
     if nodes > 1:
         if gpus < nodes:
             raise PipelineError(f"--nodes {nodes} needs at least one GPU per node, got --gpus {gpus} "
@@ -105,7 +113,7 @@ def select_mode(gpus: int, nodes: int) -> str:
 
 
 def plan(req: LaunchRequest) -> LaunchPlan:
-    return LAUNCHERS[select_mode(req.gpus, req.nodes)](req)
+    return LAUNCHERS[select_mode(req.gpus, req.nodes, req.cpu_processes)](req)
 
 
 def first_host(nodelist: str) -> str:

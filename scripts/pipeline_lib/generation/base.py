@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import PipelineError
-from ..provenance import scrub
+from ..secrets import scrub
 
 # Why a prompt failed; decides whether retrying can help.
 ERROR_INVALID = "invalid"          # the backend rejected this prompt: retrying cannot help

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 from .base import (ERROR_INVALID, ERROR_TRANSIENT, ERROR_UNREACHABLE, Backend, BackendUnavailable, Completion,
                    PromptRequest, none_if_empty, redact_url, register, vllm_tokenizer)
 from ..errors import PipelineError
-from ..provenance import scrub
+from ..secrets import scrub
 
 
 @register("openai")
