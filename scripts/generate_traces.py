@@ -130,10 +130,10 @@ class RowCache:
         if not self.dir.exists():
             return rows, skipped
         for path in sorted(self.dir.glob("*.jsonl")):
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, "rb") as f:
                 for line in f:
-                    try:
-                        entry = json.loads(line)
+                    try:  # strict UTF-8: a damaged line is skipped (and regenerated), never half-read
+                        entry = json.loads(line.decode("utf-8"))
                         key, row = entry["key"], entry["row"]
                         if not isinstance(row, dict) or row.get("finish_reason") not in ("stop", "length", "error"):
                             raise ValueError

@@ -34,7 +34,7 @@ from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.assets import resolve_asset  # noqa: E402
 from pipeline_lib.digests import dir_manifest, file_digest, json_digest, manifest_digest, text_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.io import atomic_dir, atomic_write_json  # noqa: E402
+from pipeline_lib.io import atomic_dir, atomic_write_json, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 from pipeline_lib.target import has_chat_template, load_config, text_config  # noqa: E402
 
@@ -270,7 +270,7 @@ def safetensors_summary(paths: list[Path]) -> tuple[str, int]:
 
 def tokenizer_digest(model_dir: Path) -> str:
     tok_cfg_path = model_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    tok_cfg = read_json(tok_cfg_path, "tokenizer config") if tok_cfg_path.exists() else {}
     tok_cfg.pop("chat_template", None)
     parts: dict[str, Any] = {"tokenizer_config.json": tok_cfg}
     for name in TOKENIZER_FILES:

@@ -93,11 +93,45 @@ class atomic_dir:
         return False
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """Yield (line_number, row); a malformed line raises an error naming file and line."""
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def decode_text(data: bytes, where: str, first_line: int = 1, first_offset: int = 0) -> str:
+    """UTF-8 text with a leading byte-order mark dropped (what Windows editors write). Bytes
+    that are not UTF-8 raise an error naming `where`, the line, the column and the byte
+    offset; `first_line`/`first_offset` place `data` inside a larger file."""
+    if first_offset == 0 and data.startswith(UTF8_BOM):
+        data, first_offset = data[len(UTF8_BOM):], len(UTF8_BOM)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        bad = data[err.start:err.end].hex(" ")
+        raise PipelineError(
+            f"{where}:{line}: not UTF-8 text (byte(s) {bad} at byte offset {first_offset + err.start}, "
+            f"column {column}: {err.reason}); save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    """A text input (prompt file, config, settings file) as str; see decode_text."""
     path = Path(path)
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: {what} not found") from None
+    return decode_text(data, str(path))
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """Yield (line_number, row); a malformed line raises an error naming file and line (and
+    the byte offset of bytes that are not UTF-8). A leading byte-order mark is skipped."""
+    path = Path(path)
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = decode_text(raw, str(path), lineno, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -121,12 +155,12 @@ def append_jsonl_durable(f, row: dict) -> None:
 
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     path = Path(path)
-    if not path.exists():
-        raise PipelineError(f"{path}: {what} not found")
+    text = read_text(path, what)
     try:
-        return json.loads(path.read_text())
+        return json.loads(text)
     except json.JSONDecodeError as err:
-        raise PipelineError(f"{path}: {what} is not valid JSON ({err})") from None
+        raise PipelineError(f"{path}:{err.lineno}: {what} is not valid JSON ({err.msg} at column "
+                            f"{err.colno})") from None
 
 
 def get_in(obj: Any, *keys: str) -> Any:

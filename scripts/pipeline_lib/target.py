@@ -4,7 +4,6 @@ Multimodal targets nest the language model's config under `text_config` and its 
 under a `language_model.` prefix; every reader here goes through text_config()."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ def load_config(target_dir: str | Path) -> dict[str, Any]:
     path = Path(target_dir) / "config.json"
     if not path.exists():
         raise PipelineError(f"{path}: target has no config.json; is {target_dir} a HF model dir?")
-    return json.loads(path.read_text())
+    return read_json(path, "target config")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -57,4 +56,4 @@ def has_chat_template(target_dir: str | Path) -> bool:
     if (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists():
         return True
     tok_cfg = d / "tokenizer_config.json"
-    return tok_cfg.exists() and bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+    return tok_cfg.exists() and bool(read_json(tok_cfg, "tokenizer config").get("chat_template"))
