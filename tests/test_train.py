@@ -104,13 +104,16 @@ def train_args(run: dict, settings: dict, out: Path, hs_manifest: Path | None = 
 
 @pytest.fixture(scope="module")
 def trained(hs_run) -> dict:
-    """Run 1 trains one epoch; run 2 asks for three and must resume after epoch 0."""
+    """Run 1 trains one epoch; run 2 asks for three with extend_epochs and must resume after
+    epoch 0. A copy of run 1's checkpoints is kept for the start-over test."""
     out = hs_run["root"] / "drafts" / "default"
     first = run_script("train_draft.py", *train_args(hs_run, SETTINGS, out), timeout=600)
     first_rows = [json.loads(line) for line in (out / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
-    second = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 3}, out),
+    one_epoch = hs_run["root"] / "one-epoch-checkpoints"
+    shutil.copytree(out / "checkpoints", one_epoch, symlinks=True)
+    second = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 3, "extend_epochs": True}, out),
                         timeout=600, env={"HF_TOKEN": SECRET})
-    return {"out": out, "first": first, "first_rows": first_rows, "second": second}
+    return {"out": out, "first": first, "first_rows": first_rows, "second": second, "one_epoch": one_epoch}
 
 
 def read_safetensors(path: Path) -> dict:
@@ -139,6 +142,29 @@ def test_rerun_with_more_epochs_resumes_instead_of_retraining(trained):
     assert len(second_run) == 1 and second_run != {trained["first_rows"][0]["run_started"]}
     prov = json.loads((trained["out"] / "provenance.json").read_text())
     assert prov["resumed_after_epoch"] == 0
+    # the extension is on record: a 1-epoch run, continued to 3 epochs
+    history = [{k: v for k, v in h.items() if k != "started"} for h in prov["training_history"]]
+    assert history == [{"epochs": 1, "resumed_after_epoch": None},
+                       {"epochs": 3, "resumed_after_epoch": 0, "extended_from_epochs": 1}]
+    assert "continuing a 1-epoch run to 3 epochs" in log
+
+
+def test_more_epochs_without_extend_epochs_start_over(trained, hs_run, tmp_path):
+    """The 1-epoch run's linear schedule decayed lr to 0 by its end: asking for 2 epochs must
+    train 2 epochs from scratch, not resume from it. Its checkpoints are moved aside, kept."""
+    out = tmp_path / "draft"
+    shutil.copytree(trained["one_epoch"], out / "checkpoints", symlinks=True)
+    proc = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 2}, out), timeout=600)
+    assert "were made with different epochs (1 -> 2: the linear learning-rate schedule" in proc.stdout
+    assert "set train.extend_epochs: true" in proc.stdout
+    assert "resuming after epoch" not in proc.stdout and "Training epoch 1/2 started" in proc.stdout
+    (aside,) = out.glob("checkpoints.superseded-*")
+    assert (aside / "0" / "model.safetensors").exists()
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["resumed_after_epoch"] is None
+    assert [h["resumed_after_epoch"] for h in prov["training_history"]] == [None]
+    rows = [json.loads(line) for line in (out / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["split"]) for r in rows] == [(e, s) for e in range(2) for s in ("train", "val")]
 
 
 def test_metrics_csv_has_a_row_per_epoch_and_split(trained):
@@ -227,8 +253,8 @@ def _epoch(ckpt: Path, n: int, complete: bool = True) -> Path:
     d = ckpt / str(n)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_text(f"weights of epoch {n}")
-    if complete:
-        (d / "training_state.json").write_text("{}")
+    if complete:  # what speculators writes last at the end of an epoch
+        (d / "training_state.json").write_text(json.dumps({"epoch": n, "local_step": 0, "global_step": 8 * (n + 1)}))
     return d
 
 
@@ -257,6 +283,45 @@ def test_resume_skips_a_half_saved_epoch_and_longer_runs_start_fresh(tmp_path):
     # asking for fewer epochs than already trained cannot resume: moved aside, fresh start
     assert train_draft.prepare_checkpoints(ckpt, fp, epochs=1) is None
     assert len(list(tmp_path.glob("checkpoints.superseded-*"))) == 1
+
+
+def test_a_torn_end_of_epoch_marker_is_not_trusted(tmp_path):
+    import train_draft
+
+    ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
+    ckpt.mkdir()
+    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    _epoch(ckpt, 0)
+    (_epoch(ckpt, 1, complete=False) / "training_state.json").write_text('{"epoch": 1, "local_')  # killed mid-write
+    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 0
+    assert not (ckpt / "1").exists()
+
+
+@pytest.mark.parametrize("scheduler, extend, resumes", [
+    ("linear", False, False),   # lr decays over the epochs: another trajectory, start over
+    ("cosine", False, False),
+    ("linear", True, True),     # explicitly asked for: continue, and record it
+    ("none", False, True),      # constant lr: more epochs are the same trajectory, continued
+])
+def test_epochs_change_resumes_only_when_the_schedule_allows_or_asked(tmp_path, scheduler, extend, resumes):
+    import train_draft
+
+    ckpt = tmp_path / "checkpoints"
+    fp = {"lr": 0.1, "scheduler": scheduler, "epochs": 4}
+    train_draft.prepare_checkpoints(ckpt, fp, epochs=4)
+    for n in range(4):
+        _epoch(ckpt, n)
+    got = train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8}, epochs=8, extend_epochs=extend)
+    assert got == (3 if resumes else None)
+    assert bool(list(tmp_path.glob("checkpoints.superseded-*"))) is not resumes
+    history = train_draft.training_history(ckpt)
+    if resumes:
+        assert [h["epochs"] for h in history] == [4, 8]
+        assert history[1]["resumed_after_epoch"] == 3 and history[1]["extended_from_epochs"] == 4
+    else:
+        assert [(h["epochs"], h["resumed_after_epoch"]) for h in history] == [(8, None)]
+    # any other knob that shapes the trajectory never resumes, extend_epochs or not
+    assert train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8, "lr": 0.2}, epochs=8, extend_epochs=True) is None
 
 
 # ------------------------------------------------------------------------------ refusals
