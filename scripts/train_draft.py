@@ -39,7 +39,8 @@ from pipeline_lib import target as target_lib  # noqa: E402
 from pipeline_lib.digests import json_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import (append_jsonl_durable, atomic_dir, atomic_write_bytes,  # noqa: E402
-                             atomic_write_json, atomic_write_text, read_json)
+                             atomic_write_json, atomic_write_text, read_json, reporting_disk_full,
+                             require_free_space)
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
 SECTION = "train"
@@ -343,16 +344,7 @@ def prepare_checkpoints(ckpt: Path, fingerprint: dict, epochs: int, extend_epoch
         ckpt.mkdir(parents=True)
         complete, history = {}, []
     atomic_write_json(fp_path, fingerprint)
-
-    for n, d in epoch_dirs(ckpt, complete_only=False).items():
-        if n not in complete:
-            # A save killed half-way: speculators would try to resume from it and crash.
-            log(f"removing incomplete epoch checkpoint {d} (no complete {COMPLETE_MARKER}: its save was "
-                f"interrupted)")
-            shutil.rmtree(d)
-    for link in ckpt.glob("epoch*_*"):
-        if link.is_symlink() and not link.exists():
-            link.unlink()
+    remove_incomplete_epochs(ckpt)
     latest = max(complete) if complete else None
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "epochs": epochs,
              "resumed_after_epoch": latest}
@@ -364,6 +356,26 @@ def prepare_checkpoints(ckpt: Path, fingerprint: dict, epochs: int, extend_epoch
     if latest is not None:
         log(f"resuming after epoch {latest} from {complete[latest]}")
     return latest
+
+
+def remove_incomplete_epochs(ckpt: Path) -> None:
+    """Epoch dirs whose save was interrupted (killed, disk full): speculators would try to
+    resume from them and crash, and they hold space."""
+    complete = epoch_dirs(ckpt)
+    for n, d in epoch_dirs(ckpt, complete_only=False).items():
+        if n not in complete:
+            log(f"removing incomplete epoch checkpoint {d} (no complete {COMPLETE_MARKER}: its save was "
+                f"interrupted)")
+            shutil.rmtree(d)
+    for link in ckpt.glob("epoch*_*"):
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+
+
+def epoch_checkpoint_bytes(draft_dir: Path) -> int:
+    """What one epoch checkpoint takes: the weights, plus Adam's two moments of at most as many
+    values, which speculators also saves in bf16."""
+    return 2 * sum(f.stat().st_size for f in draft_dir.glob("*.safetensors"))
 
 
 def training_history(ckpt: Path) -> list[dict]:
@@ -748,8 +760,19 @@ def main() -> int | None:
     plan = launch.plan(launch.LaunchRequest(
         gpus=args.gpus, nodes=args.nodes,
         worker=[str(Path(__file__).resolve()), "--trainer-worker", str((ckpt / WORKER_SPEC).resolve())]))
+    # Every epoch's checkpoint stays until training ends (keep_last prunes afterwards).
+    per_epoch = epoch_checkpoint_bytes(untrained_src)
+    remaining = settings.epochs - (0 if resumed_after is None else resumed_after + 1)
+    what = f"{remaining} epoch checkpoint(s) of about {per_epoch:,} bytes each"
+    require_free_space(ckpt, remaining * per_epoch, what)
     started = time.time()
-    train(plan, argv, ckpt, metrics_log, on_cpu, args.gpus)
+    try:
+        with reporting_disk_full(ckpt, what, remaining * per_epoch, per_epoch,
+                                 "training resumes after the last complete epoch"):
+            train(plan, argv, ckpt, metrics_log, on_cpu, args.gpus)
+    except PipelineError:
+        remove_incomplete_epochs(ckpt)  # a half-written epoch is never resumed; give its space back
+        raise
     train_s = time.time() - started
 
     selected, best = selected_checkpoint(ckpt, settings, started)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,42 @@ def run_script(name: str, *args: str, check: bool = True, timeout: float = 900,
     if check and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+class SmallDisk:
+    """A tmpfs of a given size mounted at `path`: a real filesystem that fills up (ENOSPC)."""
+
+    def __init__(self, path: Path, size: int):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise AssertionError(f"mounting a {size}-byte tmpfs at {path} failed ({proc.stderr.strip()}): the "
+                                 f"full-disk tests need root with mount rights (CI runs as root)")
+
+    def free(self) -> int:
+        return shutil.disk_usage(self.path).free
+
+    def fill(self, leave: int) -> Path:
+        """Another writer takes all but `leave` bytes (rounded to pages)."""
+        filler = self.path / "filler.bin"
+        with open(filler, "ab") as f:
+            f.truncate(0)
+            try:
+                f.write(b"\0" * max(0, self.free() - leave))
+            except OSError:
+                pass
+        return filler
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+@contextmanager
+def small_disk(path: Path, size: int):
+    disk = SmallDisk(path, size)
+    try:
+        yield disk
+    finally:
+        disk.unmount()

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_script
+from conftest import PY, SCRIPTS, run_script, small_disk
 from pipeline_lib import launch, speculators_cpu
 from pipeline_lib.assets import resolve_asset
 from pipeline_lib.errors import PipelineError
@@ -322,6 +325,50 @@ def test_epochs_change_resumes_only_when_the_schedule_allows_or_asked(tmp_path, 
         assert [(h["epochs"], h["resumed_after_epoch"]) for h in history] == [(8, None)]
     # any other knob that shapes the trajectory never resumes, extend_epochs or not
     assert train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8, "lr": 0.2}, epochs=8, extend_epochs=True) is None
+
+
+def test_full_disk_while_saving_an_epoch_fails_clearly_and_rerun_resumes(hs_run, tmp_path):
+    """Checkpoints on a small real filesystem (tmpfs); once epoch 0 is saved another writer
+    takes the space. Saving epoch 1 fails: a clear error naming the checkpoint dir and the
+    bytes the plan expected, the half-written epoch removed (never resumed), epoch 0 and no
+    output kept. With space freed the rerun resumes after epoch 0 and finishes."""
+    settings = {**SETTINGS, "epochs": 2}
+    with small_disk(tmp_path / "disk", 24 << 20) as disk:
+        out = disk.path / "draft"
+        ckpt = out / "checkpoints"
+        marker = ckpt / "0" / "training_state.json"
+        filled = []
+
+        def fill_after_epoch_0():
+            deadline = time.time() + 300
+            while not marker.exists() and time.time() < deadline:
+                time.sleep(0.02)
+            filled.append(disk.fill(leave=512 << 10))  # less than one epoch checkpoint (~2 MB)
+
+        watcher = threading.Thread(target=fill_after_epoch_0, daemon=True)
+        watcher.start()
+        proc = subprocess.run([PY, str(SCRIPTS / "train_draft.py"), *map(str, train_args(hs_run, settings, out))],
+                              capture_output=True, text=True, timeout=600)
+        watcher.join(timeout=5)
+        assert filled and proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        err = proc.stderr
+        assert f"\nERROR: {ckpt}: the disk is full (" in err, err[-3000:]
+        assert "while writing 2 epoch checkpoint(s) of about" in err and "the plan expected" in err
+        assert "training resumes after the last complete epoch" in err and "Traceback" not in err
+        assert sorted(train_draft_epochs(ckpt)) == [0] and not (ckpt / "1").exists()
+        assert not (out / "final").exists() and not (out / "provenance.json").exists()
+
+        filled[0].unlink()
+        rerun = run_script("train_draft.py", *train_args(hs_run, settings, out), timeout=600)
+        assert "resuming after epoch 0" in rerun.stdout and "Training epoch 1/2 started" not in rerun.stdout
+        prov = json.loads((out / "provenance.json").read_text())
+        assert prov["resumed_after_epoch"] == 0 and (out / "final" / "model.safetensors").exists()
+
+
+def train_draft_epochs(ckpt: Path) -> list[int]:
+    import train_draft
+
+    return list(train_draft.epoch_dirs(ckpt, complete_only=False))
 
 
 # ------------------------------------------------------------------------------ refusals
