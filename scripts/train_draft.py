@@ -53,7 +53,10 @@ WORKER_SPEC = ".trainer-worker.json"
 DRAFT_EXTRA_FILES = ("generation_config.json", "model.safetensors.index.json")
 RESUME_ONLY_FILES = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
 # speculators writes training_state.json last when it saves an epoch: a readable one for that
-# epoch's end marks a complete checkpoint (a save killed half-way leaves none, or a torn one).
+# epoch's end marks a complete save (a save killed half-way leaves none, or a torn one). It
+# saves BEFORE validating the epoch, so an epoch is complete only once its validation row is
+# in METRICS_LOG too: a run killed in between would otherwise resume past an epoch whose
+# metrics and best-epoch candidacy were never recorded.
 COMPLETE_MARKER = "training_state.json"
 HISTORY = "training_history.json"      # one entry per run that trained into these checkpoints
 # Settings that do not shape the training trajectory: they may change between a run and its
@@ -278,15 +281,30 @@ def _check_hidden_state_files(data_dir: Path, hs: dict, seq_lens: list[int], n_a
 
 def epoch_dirs(ckpt: Path, complete_only: bool = True) -> dict[int, Path]:
     out = {}
+    validated = {r["epoch"] for r in read_metrics_log(ckpt / METRICS_LOG) if r.get("split") == "val"}
     if ckpt.is_dir():
         for d in ckpt.iterdir():
             if d.is_dir() and not d.is_symlink() and d.name.isdigit():
-                if not complete_only or _is_complete(d):
+                if not complete_only or (_is_saved(d) and int(d.name) in validated):
                     out[int(d.name)] = d
     return dict(sorted(out.items()))
 
 
-def _is_complete(epoch_dir: Path) -> bool:
+def read_metrics_log(path: Path) -> list[dict]:
+    """The rows of METRICS_LOG; a torn last line (a killed append) is skipped."""
+    rows = []
+    if path.exists():
+        for line in path.read_bytes().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("epoch"), int):
+                rows.append(row)
+    return rows
+
+
+def _is_saved(epoch_dir: Path) -> bool:
     """speculators wrote this epoch's end-of-epoch state: everything before it is on disk."""
     try:
         state = json.loads((epoch_dir / COMPLETE_MARKER).read_text())
@@ -364,8 +382,7 @@ def remove_incomplete_epochs(ckpt: Path) -> None:
     complete = epoch_dirs(ckpt)
     for n, d in epoch_dirs(ckpt, complete_only=False).items():
         if n not in complete:
-            log(f"removing incomplete epoch checkpoint {d} (no complete {COMPLETE_MARKER}: its save was "
-                f"interrupted)")
+            log(f"removing incomplete epoch checkpoint {d} (its save or its validation was interrupted)")
             shutil.rmtree(d)
     for link in ckpt.glob("epoch*_*"):
         if link.is_symlink() and not link.exists():
@@ -384,6 +401,15 @@ def training_history(ckpt: Path) -> list[dict]:
 
 
 def best_epoch(ckpt: Path) -> int | None:
+    """The complete epoch with the lowest validation loss (the first, on ties: speculators'
+    rule), from the metrics log, which a kill cannot leave behind the checkpoints as it can
+    speculators' checkpoint_best link (updated after validation, lost if killed before)."""
+    complete = epoch_dirs(ckpt)
+    losses = {r["epoch"]: r["metrics"].get("loss") for r in read_metrics_log(ckpt / METRICS_LOG)
+              if r.get("split") == "val" and r["epoch"] in complete}
+    losses = {e: v for e, v in losses.items() if isinstance(v, (int, float))}
+    if losses:
+        return min(sorted(losses), key=lambda e: losses[e])
     link = ckpt / "checkpoint_best"
     if link.is_symlink():
         name = Path(os.readlink(link)).name
@@ -615,12 +641,9 @@ def write_metrics_csv(metrics_log: Path, epochs: int, ttt_steps: int, out: Path)
     import pandas as pd
 
     rows: dict[tuple[int, str], dict] = {}
-    if metrics_log.exists():
-        for line in metrics_log.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if rec["epoch"] < epochs:
-                    rows[(rec["epoch"], rec["split"])] = rec  # a retrained epoch: last one wins
+    for rec in read_metrics_log(metrics_log):
+        if rec["epoch"] < epochs:
+            rows[(rec["epoch"], rec["split"])] = rec  # a retrained epoch: last one wins
     table = []
     for (epoch, split), rec in sorted(rows.items()):
         m = rec["metrics"]

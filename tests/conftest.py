@@ -87,6 +87,28 @@ def test_config(tiny_target) -> dict:
     return copy.deepcopy(base_test_config(tiny_target))
 
 
+E2E_FAKE_TOKEN = "hf_e2eFakeSecretToken1234567890"
+
+
+@pytest.fixture(scope="session")
+def e2e(tmp_path_factory, tiny_target):
+    """(workdir, results dir, config) of one complete run of the whole chain (vLLM backends),
+    shared by test_e2e.py and test_faults.py (its uninterrupted reference). HF_TOKEN is set to
+    a fake secret that must never appear in any log, provenance or report."""
+    cfg = base_test_config(tiny_target)
+    work = tmp_path_factory.mktemp("e2e")
+    old = os.environ.get("HF_TOKEN")
+    os.environ["HF_TOKEN"] = E2E_FAKE_TOKEN
+    try:
+        run_snakemake(work, cfg)
+    finally:
+        if old is None:
+            os.environ.pop("HF_TOKEN", None)
+        else:
+            os.environ["HF_TOKEN"] = old
+    return work, work / "results" / "tiny", cfg
+
+
 def write_config(workdir: Path, config: dict) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.test.yaml"

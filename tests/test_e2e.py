@@ -1,36 +1,15 @@
-"""The whole chain on the tiny target with the default (vLLM) backends, run once per session:
+"""The whole chain on the tiny target with the default (vLLM) backends, run once per session
+(the `e2e` fixture in conftest.py, shared with test_faults.py):
 target -> prompts -> traces -> tokenized -> hidden states -> draft -> load check -> report."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pandas as pd
-import pytest
 
-from conftest import PY, REPO, SCRIPTS, base_test_config, run_snakemake
-
-FAKE_TOKEN = "hf_e2eFakeSecretToken1234567890"
-
-
-@pytest.fixture(scope="session")
-def e2e(tmp_path_factory, tiny_target):
-    """(workdir, results dir, config) of one complete run. HF_TOKEN is set to a fake secret
-    that must never appear in any log, provenance or report."""
-    work = tmp_path_factory.mktemp("e2e")
-    cfg = base_test_config(tiny_target)
-    old = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = FAKE_TOKEN
-    try:
-        run_snakemake(work, cfg)
-    finally:
-        if old is None:
-            os.environ.pop("HF_TOKEN", None)
-        else:
-            os.environ["HF_TOKEN"] = old
-    return work, work / "results" / "tiny", cfg
+from conftest import E2E_FAKE_TOKEN as FAKE_TOKEN, PY, SCRIPTS, run_snakemake
 
 
 def test_every_artifact_exists_with_provenance(e2e):

@@ -369,7 +369,7 @@ def test_full_disk_fails_naming_store_and_bytes_and_rerun_continues(workdir, inp
         proc = run_script("extract_hidden_states.py", "--settings", settings,
                           *extract_args(workdir, disk.path / "store", out), check=False, timeout=300)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert f"not enough disk space for the hidden states of 6 row(s) of shard 0 of 1: the plan expects" \
+        assert "not enough disk space for the hidden states of 6 row(s) of shard 0 of 1: the plan expects" \
                in proc.stderr and f"({expected:,} bytes)" in proc.stderr
         assert not list((disk.path / "store").rglob("*.safetensors"))
 

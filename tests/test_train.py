@@ -252,12 +252,15 @@ def test_secrets_stay_out_of_provenance_and_log(trained):
     assert SECRET not in trained["second"].stdout + trained["second"].stderr
 
 
-def _epoch(ckpt: Path, n: int, complete: bool = True) -> Path:
+def _epoch(ckpt: Path, n: int, complete: bool = True, validated: bool = True) -> Path:
     d = ckpt / str(n)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_text(f"weights of epoch {n}")
-    if complete:  # what speculators writes last at the end of an epoch
+    if complete:  # what speculators writes last when it saves an epoch (before validating it)
         (d / "training_state.json").write_text(json.dumps({"epoch": n, "local_step": 0, "global_step": 8 * (n + 1)}))
+    if complete and validated:  # what train_draft's metrics recorder appends when validation ends
+        with open(ckpt / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"epoch": n, "split": "val", "metrics": {"loss": 1.0 / (n + 1)}}) + "\n")
     return d
 
 
@@ -286,6 +289,21 @@ def test_resume_skips_a_half_saved_epoch_and_longer_runs_start_fresh(tmp_path):
     # asking for fewer epochs than already trained cannot resume: moved aside, fresh start
     assert train_draft.prepare_checkpoints(ckpt, fp, epochs=1) is None
     assert len(list(tmp_path.glob("checkpoints.superseded-*"))) == 1
+
+
+def test_an_epoch_saved_but_not_validated_is_not_resumed_past(tmp_path):
+    """speculators saves an epoch, then validates it: killed in between, the epoch's metrics and
+    its best-epoch candidacy were never recorded, so it is trained again."""
+    import train_draft
+
+    ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
+    ckpt.mkdir()
+    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    _epoch(ckpt, 0), _epoch(ckpt, 1, validated=False)
+    with open(ckpt / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 1, "split": "tr')  # and a torn line of the killed append
+    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 0
+    assert not (ckpt / "1").exists() and train_draft.best_epoch(ckpt) == 0
 
 
 def test_a_torn_end_of_epoch_marker_is_not_trusted(tmp_path):
