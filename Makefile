@@ -10,14 +10,31 @@ PYTEST_ARGS ?=
 # Rules call `python`: make it the venv's.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: env slurm demo test lint dry-run plan check-provenance
+.PHONY: env slurm demo unlock test lint dry-run plan check-provenance
 
 env:
 	@bash scripts/setup_env.sh $(VENV)
 
 demo: env
 	@echo "[demo] running the pipeline on config.yaml (see README for what it builds)"
-	$(SNAKEMAKE) --profile profiles/default --cores $(CORES)
+	@echo "$(SNAKEMAKE) --profile profiles/default --cores $(CORES)"
+	@$(SNAKEMAKE) --profile profiles/default --cores $(CORES) || { status=$$?; \
+	  if ls .snakemake/locks/*.lock >/dev/null 2>&1; then echo "$$LOCK_HINT" >&2; fi; exit $$status; }
+
+# Removes a lock left by a killed run (see LOCK_HINT: only when no run is active here).
+unlock: env
+	$(SNAKEMAKE) --profile profiles/default --unlock
+
+# Printed by `make demo` when it failed and a Snakemake lock is present (README: Resuming).
+define LOCK_HINT
+[demo] Snakemake's lock stopped this run (.snakemake/locks): another snakemake run is working in
+[demo] this directory, or one was killed (kill -9, a closed session, a crashed node) and left its lock.
+[demo]  - Still running? Check `pgrep -af snakemake` (on a cluster also its jobs: `squeue -u $$USER`).
+[demo]    Wait for it or stop it; never unlock under a live run: both would write the same files.
+[demo]  - None running: `make unlock` (snakemake --unlock) removes the stale lock; then `make demo`
+[demo]    again. Finished artifacts are kept; jobs the killed run left incomplete run again.
+endef
+export LOCK_HINT
 
 # The cluster-profile test runs a real single-node SLURM: Debian packages, installed once (root).
 slurm:

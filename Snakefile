@@ -2,15 +2,22 @@
 # Read rules/ in this order to see the whole DAG:
 #   target -> prompts -> traces -> tokenize -> hidden_states -> train -> verify
 import os
+import sys
 
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
 
+sys.path.insert(0, os.path.join(workflow.basedir, "scripts"))
+from pipeline_lib.io import read_text  # noqa: E402
+
 
 # The demo default, unless the user passes --configfile (then only theirs is read, so a
 # config for another target never inherits demo keys by accident).
 if not workflow.overwrite_configfiles:
+    # Bytes that are not UTF-8 fail here naming line and byte offset (YAML's own reader
+    # would end in a codec traceback); a byte-order mark is fine.
+    read_text(os.path.join(workflow.basedir, "config.yaml"), "config file")
 
     configfile: os.path.join(workflow.basedir, "config.yaml")
 

@@ -559,7 +559,7 @@ def compare_reference(ctx: Context, ref_setting: str) -> tuple[list[Check], dict
         msg = f"settings verify.reference_draft = {ref_setting!r}: {why}; give a speculators checkpoint dir"
         return [Check("reference_draft.config", False, "a checkpoint dir", ref_setting, msg, required=False)], \
             {"path": ref_setting, "error": msg}
-    ref_cfg = json.loads((ref_dir / "config.json").read_text())
+    ref_cfg = read_json(ref_dir / "config.json", "reference draft config")
     rows = [{"field": f, "draft": _field(ctx.draft_config, f), "reference": _field(ref_cfg, f)} for f in REFERENCE_FIELDS]
     for r in rows:
         r["same"] = r["draft"] == r["reference"]

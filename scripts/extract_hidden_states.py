@@ -30,7 +30,7 @@ from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.hidden_states import (  # noqa: E402
     FileRecord, HSStore, LayerSpec, Row, backend_class, hs_name, layer_spec, log_to_stderr, shard_range, store_key,
 )
-from pipeline_lib.io import atomic_write_json  # noqa: E402
+from pipeline_lib.io import atomic_write_json, free_bytes, reporting_disk_full, require_free_space  # noqa: E402
 from pipeline_lib.provenance import upstream_digest  # noqa: E402
 from pipeline_lib.target import load_manifest, weights_digest  # noqa: E402
 
@@ -110,14 +110,15 @@ def generate(backend_cls, args, spec: LayerSpec, settings: dict, store: HSStore,
     backend = backend_cls(args.target, spec, settings, max(len(r.input_ids) for r in todo))
     t1 = last_report = time.monotonic()
     records = []
-    for record in backend.extract(todo, store):
-        records.append(record)
-        if time.monotonic() - last_report > PROGRESS_EVERY_S:
-            last_report = time.monotonic()
-            log.info("%d/%d rows extracted (%.0f s)", len(records), len(todo), last_report - t1)
-    extract_s = time.monotonic() - t1
-    backend.close()
-    return records, t1 - t0, extract_s
+    try:
+        for record in backend.extract(todo, store):
+            records.append(record)
+            if time.monotonic() - last_report > PROGRESS_EVERY_S:
+                last_report = time.monotonic()
+                log.info("%d/%d rows extracted (%.0f s)", len(records), len(todo), last_report - t1)
+    finally:
+        backend.close()
+    return records, t1 - t0, time.monotonic() - t1
 
 
 def main() -> None:
@@ -148,7 +149,16 @@ def main() -> None:
     log.info("%d file(s) valid and reused, %d to generate (%d invalid)", reused, len(todo), len(invalid))
     startup_s = extract_s = 0.0
     if todo:
-        new, startup_s, extract_s = generate(backend_cls, args, spec, settings, store, todo)
+        expected = sum(spec.file_bytes(len(r.input_ids)) for r in todo)
+        what = f"the hidden states of {len(todo)} row(s) of shard {args.shard} of {args.num_shards}"
+        require_free_space(store.root, expected, what)
+        log.info("disk: %s need about %d bytes; %d free under %s", what, expected, free_bytes(store.root), store.root)
+        try:
+            with reporting_disk_full(store.root, what, expected, min(spec.file_bytes(len(r.input_ids)) for r in todo),
+                                     "finished files are validated and reused, the rest is extracted"):
+                new, startup_s, extract_s = generate(backend_cls, args, spec, settings, store, todo)
+        finally:
+            store.clean_temps(row_range)  # a failed write's temp files: their space back now
         records.update((rec.row, rec) for rec in new)
     missing = [r.index for r in rows if r.index not in records]
     if missing:

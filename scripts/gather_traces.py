@@ -105,7 +105,17 @@ def totals(rows: list[dict], summaries: list[dict]) -> dict:
         "with_reasoning": sum(r["reasoning"] is not None for r in rows),
         "backends": dict(sorted(Counter(r["backend"] for r in rows).items())),
         "failed_ids": [r["id"] for r in rows if r["finish_reason"] == "error"][:100],
+        "failed_by_error": summed(s.get("failed_by_error") for s in summaries),
+        "retried": sum(s.get("retried", 0) for s in summaries),
+        "attempt_errors": summed(s.get("attempt_errors") for s in summaries),
     }
+
+
+def summed(counts) -> dict[str, int]:
+    total: Counter = Counter()
+    for c in counts:
+        total.update(c or {})
+    return dict(sorted(total.items()))
 
 
 def main() -> int:

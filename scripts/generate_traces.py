@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+from collections import Counter
 import sys
 import time
 from dataclasses import dataclass
@@ -130,10 +131,10 @@ class RowCache:
         if not self.dir.exists():
             return rows, skipped
         for path in sorted(self.dir.glob("*.jsonl")):
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, "rb") as f:
                 for line in f:
-                    try:
-                        entry = json.loads(line)
+                    try:  # strict UTF-8: a damaged line is skipped (and regenerated), never half-read
+                        entry = json.loads(line.decode("utf-8"))
                         key, row = entry["key"], entry["row"]
                         if not isinstance(row, dict) or row.get("finish_reason") not in ("stop", "length", "error"):
                             raise ValueError
@@ -186,13 +187,17 @@ def reused_row(prompt: Prompt, cached: dict[str, Any]) -> dict[str, Any]:
     return {**cached, "id": prompt.id, "messages": prompt.messages, "category": prompt.category}
 
 
-def count_rows(rows: list[dict[str, Any]]) -> dict[str, int]:
+def count_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    from pipeline_lib.generation import error_label
+
     return {"rows": len(rows),
             "ok": sum(r["finish_reason"] != "error" for r in rows),
             "failed": sum(r["finish_reason"] == "error" for r in rows),
             "truncated": sum(r["finish_reason"] == "length" for r in rows),
             "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-            "completion_tokens": sum(r["completion_tokens"] for r in rows)}
+            "completion_tokens": sum(r["completion_tokens"] for r in rows),
+            "failed_by_error": dict(sorted(Counter(error_label(r["error"]) for r in rows
+                                                   if r["finish_reason"] == "error").items()))}
 
 
 # --------------------------------------------------------------------------- main
@@ -285,6 +290,9 @@ def main() -> int:
         "shard": args.shard, "num_shards": args.num_shards, **count_rows(ordered),
         "reused": len(prompts) - len(todo), "generated": len(todo),
         "retried": counts.retried if counts else 0,
+        # Every failed attempt of this run, retried or final, by kind: what the backend went through.
+        "attempt_errors": dict(sorted(counts.attempt_errors.items())) if counts else {},
+        "retry_wait_s": round(counts.waited_s, 3) if counts else 0.0,
         "wall_s": round(time.time() - started, 3), "generate_s": round(gen_s, 3),
         "new_completion_tokens": new_tokens,
         "tokens_per_s": round(new_tokens / gen_s, 1) if gen_s else None,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.assets import PREFIX as PYPI_PREFIX, resolve_asset  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.io import atomic_write_jsonl, read_jsonl  # noqa: E402
+from pipeline_lib.io import atomic_write_jsonl, read_jsonl, read_text  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -310,7 +310,7 @@ def _load_file(path: Path, spec: SourceSpec, cache: str):
         builder, data_files = "json", str(path)
     elif path.suffix == ".json":
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text(path, "prompt file"))
         except json.JSONDecodeError as err:
             raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
         if isinstance(data, dict) and spec.format in ("auto", "chitchat") and _looks_like_chitchat(data):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import logging
 import os
@@ -39,7 +40,8 @@ from pipeline_lib import target as target_lib  # noqa: E402
 from pipeline_lib.digests import json_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import (append_jsonl_durable, atomic_dir, atomic_write_bytes,  # noqa: E402
-                             atomic_write_json, atomic_write_text, read_json)
+                             atomic_write_json, atomic_write_text, read_json, reporting_disk_full,
+                             require_free_space)
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
 SECTION = "train"
@@ -51,11 +53,16 @@ WORKER_SPEC = ".trainer-worker.json"
 # (rewritten) and the *.safetensors weights.
 DRAFT_EXTRA_FILES = ("generation_config.json", "model.safetensors.index.json")
 RESUME_ONLY_FILES = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
-# speculators writes training_state.json last when it saves an epoch: its presence marks a
-# complete checkpoint (a save killed half-way leaves the epoch dir without it).
+# speculators writes training_state.json last when it saves an epoch: a readable one for that
+# epoch's end marks a complete save (a save killed half-way leaves none, or a torn one). It
+# saves BEFORE validating the epoch, so an epoch is complete only once its validation row is
+# in METRICS_LOG too: a run killed in between would otherwise resume past an epoch whose
+# metrics and best-epoch candidacy were never recorded.
 COMPLETE_MARKER = "training_state.json"
-# Settings that may change between a run and its resume without invalidating checkpoints.
-RESUMABLE_CHANGES = {"epochs", "keep_last", "select", "num_workers"}
+HISTORY = "training_history.json"      # one entry per run that trained into these checkpoints
+# Settings that do not shape the training trajectory: they may change between a run and its
+# resume. Everything else (epochs included: the lr schedule spans them) is in the fingerprint.
+NOT_IN_FINGERPRINT = {"keep_last", "select", "num_workers", "extend_epochs"}
 
 
 # --------------------------------------------------------------------------------- settings
@@ -77,7 +84,9 @@ class TrainSettings:
     keep_last: int
     select: str
     num_workers: int
+    extend_epochs: bool = False
 
+    OPTIONAL = {"extend_epochs": False}
     CHOICES = {"optimizer": ("adamw", "muon"), "scheduler": ("linear", "cosine", "none"),
                "attn_impl": ("sdpa", "simple_flex_attention", "eager"),
                "loss_impl": ("eager", "fused"), "select": ("best", "last")}
@@ -88,7 +97,9 @@ class TrainSettings:
     def from_dict(cls, raw: dict[str, Any]) -> "TrainSettings":
         values = {}
         for name, kind in cls.__annotations__.items():  # the fields (CHOICES/MINIMA are not annotated)
-            value = cli.require(raw, name, SECTION)
+            value = raw.get(name, cls.OPTIONAL[name]) if name in cls.OPTIONAL else cli.require(raw, name, SECTION)
+            if kind == "bool" and not isinstance(value, bool):
+                raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected true or false")
             if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected an integer")
             if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -271,56 +282,135 @@ def _check_hidden_state_files(data_dir: Path, hs: dict, seq_lens: list[int], n_a
 
 def epoch_dirs(ckpt: Path, complete_only: bool = True) -> dict[int, Path]:
     out = {}
+    validated = {r["epoch"] for r in read_metrics_log(ckpt / METRICS_LOG) if r.get("split") == "val"}
     if ckpt.is_dir():
         for d in ckpt.iterdir():
             if d.is_dir() and not d.is_symlink() and d.name.isdigit():
-                if not complete_only or (d / COMPLETE_MARKER).exists():
+                if not complete_only or (_is_saved(d) and int(d.name) in validated):
                     out[int(d.name)] = d
     return dict(sorted(out.items()))
 
 
-def prepare_checkpoints(ckpt: Path, fingerprint: dict, epochs: int) -> int | None:
+def read_metrics_log(path: Path) -> list[dict]:
+    """The rows of METRICS_LOG; a torn last line (a killed append) is skipped."""
+    rows = []
+    if path.exists():
+        for line in path.read_bytes().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("epoch"), int):
+                rows.append(row)
+    return rows
+
+
+def _is_saved(epoch_dir: Path) -> bool:
+    """speculators wrote this epoch's end-of-epoch state: everything before it is on disk."""
+    try:
+        state = json.loads((epoch_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("epoch") == int(epoch_dir.name) and not state.get("local_step")
+
+
+def trajectory_fingerprint(settings: TrainSettings, inputs: TrainingInputs) -> dict[str, Any]:
+    """Everything that shapes the training trajectory: the settings (the schedule's length,
+    `epochs`, included), the inputs' digests and the trainer version."""
+    return {**{k: v for k, v in settings.as_dict().items() if k not in NOT_IN_FINGERPRINT},
+            "target_digest": inputs.target_digest, "data_digest": inputs.data_digest,
+            "rows": inputs.rows, "aux_layer_ids": inputs.aux_layer_ids,
+            "speculators": speculators_cpu.installed_version()}
+
+
+def prepare_checkpoints(ckpt: Path, fingerprint: dict, epochs: int, extend_epochs: bool = False) -> int | None:
     """Make --checkpoints safe to resume from; returns the epoch it resumes after (or None).
 
-    Checkpoints made from other inputs or settings, or from a run with more epochs than asked
-    for now, are moved aside (never deleted): resuming from them would mix two trainings."""
+    Only checkpoints of the same trajectory are resumed: same fingerprint, fewer epochs done
+    than asked for. A changed `epochs` is a different trajectory when a schedule decays the
+    learning rate over them (a finished 4-epoch linear run ends at lr 0); it continues only
+    with `extend_epochs: true`, and the training history records the extension. Checkpoints
+    that cannot be resumed are moved aside (never deleted), and training starts over."""
     ckpt.mkdir(parents=True, exist_ok=True)
     fp_path = ckpt / FINGERPRINT
     old = json.loads(fp_path.read_text()) if fp_path.exists() else None
     complete = epoch_dirs(ckpt)
+    history = json.loads((ckpt / HISTORY).read_text()) if (ckpt / HISTORY).exists() else []
+    changed = sorted(k for k in set(old or {}) | set(fingerprint) if (old or {}).get(k) != fingerprint.get(k))
+    epochs_only = changed == ["epochs"]
     stale_reason = None
     if complete and old is None:
         stale_reason = f"no {FINGERPRINT}: made outside this pipeline"
-    elif old is not None and old != fingerprint:
-        changed = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+    elif changed and not (epochs_only and (extend_epochs or fingerprint.get("scheduler") == "none")):
         stale_reason = f"made with different {', '.join(changed)}"
+        if epochs_only:
+            stale_reason += (f" ({old['epochs']} -> {fingerprint['epochs']}: the {fingerprint.get('scheduler')} "
+                             f"learning-rate schedule spans the epochs, so resuming would not make what "
+                             f"{fingerprint['epochs']} epochs make; set train.extend_epochs: true to continue "
+                             f"the old run anyway)")
     elif complete and max(complete) >= epochs:
         stale_reason = f"already trained {max(complete) + 1} epochs, more than the {epochs} asked for"
     if stale_reason and (complete or any(ckpt.iterdir())):
-        aside = ckpt.with_name(f"{ckpt.name}.superseded-{time.strftime('%Y%m%dT%H%M%S')}")
+        stamp = time.strftime('%Y%m%dT%H%M%S')
+        aside = ckpt.with_name(f"{ckpt.name}.superseded-{stamp}")
+        for n in itertools.count(2):  # never onto an earlier set moved aside in the same second
+            if not aside.exists():
+                break
+            aside = ckpt.with_name(f"{ckpt.name}.superseded-{stamp}-{n}")
         os.replace(ckpt, aside)
         log(f"WARNING: checkpoints in {ckpt} were {stale_reason}; moved them to {aside} "
             f"(delete it when no longer needed) and starting fresh")
         ckpt.mkdir(parents=True)
-        complete = {}
+        complete, history = {}, []
     atomic_write_json(fp_path, fingerprint)
+    remove_incomplete_epochs(ckpt)
+    latest = max(complete) if complete else None
+    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "epochs": epochs,
+             "resumed_after_epoch": latest}
+    if latest is not None and epochs_only and old:
+        entry["extended_from_epochs"] = old["epochs"]
+        log(f"WARNING: continuing a {old['epochs']}-epoch run to {epochs} epochs (train.extend_epochs or "
+            f"scheduler none); the training history in provenance records it")
+    atomic_write_json(ckpt / HISTORY, [*history, entry])
+    if latest is not None:
+        log(f"resuming after epoch {latest} from {complete[latest]}")
+    return latest
 
+
+def remove_incomplete_epochs(ckpt: Path) -> None:
+    """Epoch dirs whose save was interrupted (killed, disk full): speculators would try to
+    resume from them and crash, and they hold space."""
+    complete = epoch_dirs(ckpt)
     for n, d in epoch_dirs(ckpt, complete_only=False).items():
         if n not in complete:
-            # A save killed half-way: speculators would try to resume from it and crash.
-            log(f"removing incomplete epoch checkpoint {d} (no {COMPLETE_MARKER}: its save was interrupted)")
+            log(f"removing incomplete epoch checkpoint {d} (its save or its validation was interrupted)")
             shutil.rmtree(d)
     for link in ckpt.glob("epoch*_*"):
         if link.is_symlink() and not link.exists():
             link.unlink()
-    if complete:
-        latest = max(complete)
-        log(f"resuming after epoch {latest} from {complete[latest]}")
-        return latest
-    return None
+
+
+def epoch_checkpoint_bytes(draft_dir: Path) -> int:
+    """What one epoch checkpoint takes: the weights, plus Adam's two moments of at most as many
+    values, which speculators also saves in bf16."""
+    return 2 * sum(f.stat().st_size for f in draft_dir.glob("*.safetensors"))
+
+
+def training_history(ckpt: Path) -> list[dict]:
+    path = ckpt / HISTORY
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def best_epoch(ckpt: Path) -> int | None:
+    """The complete epoch with the lowest validation loss (the first, on ties: speculators'
+    rule), from the metrics log, which a kill cannot leave behind the checkpoints as it can
+    speculators' checkpoint_best link (updated after validation, lost if killed before)."""
+    complete = epoch_dirs(ckpt)
+    losses = {r["epoch"]: r["metrics"].get("loss") for r in read_metrics_log(ckpt / METRICS_LOG)
+              if r.get("split") == "val" and r["epoch"] in complete}
+    losses = {e: v for e, v in losses.items() if isinstance(v, (int, float))}
+    if losses:
+        return min(sorted(losses), key=lambda e: losses[e])
     link = ckpt / "checkpoint_best"
     if link.is_symlink():
         name = Path(os.readlink(link)).name
@@ -563,12 +653,9 @@ def write_metrics_csv(metrics_log: Path, epochs: int, ttt_steps: int, out: Path)
     import pandas as pd
 
     rows: dict[tuple[int, str], dict] = {}
-    if metrics_log.exists():
-        for line in metrics_log.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if rec["epoch"] < epochs:
-                    rows[(rec["epoch"], rec["split"])] = rec  # a retrained epoch: last one wins
+    for rec in read_metrics_log(metrics_log):
+        if rec["epoch"] < epochs:
+            rows[(rec["epoch"], rec["split"])] = rec  # a retrained epoch: last one wins
     table = []
     for (epoch, split), rec in sorted(rows.items()):
         m = rec["metrics"]
@@ -699,11 +786,8 @@ def main() -> int | None:
         f"{inputs.aux_layer_ids} from {args.hs_manifest}; device {'cpu' if on_cpu else 'cuda'}, launch {mode}")
 
     ckpt, target, data = Path(args.checkpoints), Path(args.target), Path(args.data)
-    fingerprint = {**{k: v for k, v in settings.as_dict().items() if k not in RESUMABLE_CHANGES},
-                   "target_digest": inputs.target_digest, "data_digest": inputs.data_digest,
-                   "rows": inputs.rows, "aux_layer_ids": inputs.aux_layer_ids,
-                   "speculators": speculators_cpu.installed_version()}
-    resumed_after = prepare_checkpoints(ckpt, fingerprint, settings.epochs)
+    resumed_after = prepare_checkpoints(ckpt, trajectory_fingerprint(settings, inputs), settings.epochs,
+                                        settings.extend_epochs)
     d2t, t2d = write_vocab_maps(data / "token_freq.pt", settings.draft_vocab_size,
                                 inputs.target_vocab_size, ckpt / "vocab")
     argv = trainer_argv(settings, inputs, target, data, ckpt, d2t, t2d)
@@ -715,8 +799,19 @@ def main() -> int | None:
     plan = launch.plan(launch.LaunchRequest(
         gpus=args.gpus, nodes=args.nodes, cpu_processes=args.cpu_processes,
         worker=[str(Path(__file__).resolve()), "--trainer-worker", str((ckpt / WORKER_SPEC).resolve())]))
+    # Every epoch's checkpoint stays until training ends (keep_last prunes afterwards).
+    per_epoch = epoch_checkpoint_bytes(untrained_src)
+    remaining = settings.epochs - (0 if resumed_after is None else resumed_after + 1)
+    what = f"{remaining} epoch checkpoint(s) of about {per_epoch:,} bytes each"
+    require_free_space(ckpt, remaining * per_epoch, what)
     started = time.time()
-    train(plan, argv, ckpt, metrics_log, on_cpu, args.gpus)
+    try:
+        with reporting_disk_full(ckpt, what, remaining * per_epoch, per_epoch,
+                                 "training resumes after the last complete epoch"):
+            train(plan, argv, ckpt, metrics_log, on_cpu, args.gpus)
+    except PipelineError:
+        remove_incomplete_epochs(ckpt)  # a half-written epoch is never resumed; give its space back
+        raise
     train_s = time.time() - started
 
     selected, best = selected_checkpoint(ckpt, settings, started)
@@ -732,6 +827,7 @@ def main() -> int | None:
                        "data": args.data, "hs_manifest": args.hs_manifest},
                outputs={"final": args.final, "untrained": args.untrained, "metrics": args.metrics},
                selected_epoch=selected, best_epoch=best, resumed_after_epoch=resumed_after,
+               training_history=training_history(ckpt),
                train_wall_s=round(train_s, 3), aux_layer_ids=inputs.aux_layer_ids,
                draft_vocab_size=settings.draft_vocab_size, checkpoints=pruned, trainer_argv=argv,
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},

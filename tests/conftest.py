@@ -15,8 +15,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +150,9 @@ class E2ERun:
     results: Path   # work/results/<run_name>
     config: dict
 
+    def __iter__(self):  # (work, results, config), as tuple unpacking reads it
+        return iter((self.work, self.results, self.config))
+
 
 @pytest.fixture(scope="session")
 def e2e(tmp_path_factory, reasoning_target) -> E2ERun:
@@ -167,3 +172,42 @@ def e2e(tmp_path_factory, reasoning_target) -> E2ERun:
             else:
                 os.environ[k] = v
     return E2ERun(work, work / "results" / cfg["run_name"], cfg)
+
+
+class SmallDisk:
+    """A tmpfs of a given size mounted at `path`: a real filesystem that fills up (ENOSPC)."""
+
+    def __init__(self, path: Path, size: int):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise AssertionError(f"mounting a {size}-byte tmpfs at {path} failed ({proc.stderr.strip()}): the "
+                                 f"full-disk tests need root with mount rights (CI runs as root)")
+
+    def free(self) -> int:
+        return shutil.disk_usage(self.path).free
+
+    def fill(self, leave: int) -> Path:
+        """Another writer takes all but `leave` bytes (rounded to pages)."""
+        filler = self.path / "filler.bin"
+        with open(filler, "ab") as f:
+            f.truncate(0)
+            try:
+                f.write(b"\0" * max(0, self.free() - leave))
+            except OSError:
+                pass
+        return filler
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+@contextmanager
+def small_disk(path: Path, size: int):
+    disk = SmallDisk(path, size)
+    try:
+        yield disk
+    finally:
+        disk.unmount()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import PY, base_test_config, run_script, run_snakemake
+from conftest import PY, SCRIPTS, base_test_config, run_script, run_snakemake, small_disk
 
 from pipeline_lib.digests import file_digest, json_digest, path_digest
 from pipeline_lib.errors import PipelineError
@@ -344,6 +345,64 @@ def test_interrupted_or_invalid_write_leaves_no_final_file(tmp_path, monkeypatch
         store.write(row, bad)
     assert store.write(row, good).tokens == 3 and isinstance(store.check(row), FileRecord)
     assert store.check(Row(7, [5, 6, 8])) == "token_ids differ from the dataset's input_ids"
+
+
+def test_full_disk_fails_naming_store_and_bytes_and_rerun_continues(workdir, input_ids, tmp_path):
+    """The store on a small real filesystem (tmpfs) that another writer fills after the plan
+    check passed: the shard fails naming the store and the bytes the plan expected, keeps the
+    files it finished (all valid), leaves no temp file; after space is freed the rerun reuses
+    them and extracts only the rest, byte-identical to an uninterrupted run."""
+    settings = json.dumps({"backend": "transformers", "batch_size": 1})  # one file per forward
+    spec = LayerSpec(tuple(AUX), 8, 128, "bfloat16")
+    ref_out = tmp_path / "ref.json"
+    run_script("extract_hidden_states.py", "--settings", settings,
+               *extract_args(workdir, tmp_path / "ref-store", ref_out), timeout=300)
+    ref = json.loads(ref_out.read_text())
+    expected = sum(spec.file_bytes(len(ids)) for ids in input_ids)
+    assert sum(ref["file_bytes"].values()) <= expected < 1.1 * sum(ref["file_bytes"].values())
+    sizes = sorted(ref["file_bytes"].values())  # the backend writes the shortest rows first
+    pages = [-(-n // 4096) * 4096 for n in sizes]
+
+    # Too small from the start: refused before the model is loaded.
+    with small_disk(tmp_path / "tiny-disk", expected // 2) as disk:
+        out = tmp_path / "refused.json"
+        proc = run_script("extract_hidden_states.py", "--settings", settings,
+                          *extract_args(workdir, disk.path / "store", out), check=False, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "not enough disk space for the hidden states of 6 row(s) of shard 0 of 1: the plan expects" \
+               in proc.stderr and f"({expected:,} bytes)" in proc.stderr
+        assert not list((disk.path / "store").rglob("*.safetensors"))
+
+    with small_disk(tmp_path / "disk", expected + (1 << 20)) as disk:
+        store_root = disk.path / "store"
+        out = tmp_path / "shard.json"
+        cmd = [PY, str(SCRIPTS / "extract_hidden_states.py"), "--settings", settings,
+               *map(str, extract_args(workdir, store_root, out))]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        log = []
+        for line in proc.stderr:  # the plan check passed: now another writer takes the space
+            log.append(line)
+            if "disk: the hidden states of 6 row(s) of shard 0 of 1 need about" in line:
+                filler = disk.fill(leave=sum(pages[:3]) + pages[3] // 2)
+                break
+        stdout, rest = proc.communicate(timeout=300)
+        err = "".join(log) + rest
+        assert proc.returncode == 2, err
+        store = store_root / ref["store_key"]
+        assert f"ERROR: {store}: the disk is full (No space left on device) while writing the hidden states " \
+               f"of 6 row(s) of shard 0 of 1; the plan expected" in err, err
+        assert f"({expected:,} bytes)" in err and "Traceback" not in err
+        kept = sorted(p.name for p in store.iterdir())
+        assert len(kept) == 3 and all(n.startswith("hs_") for n in kept), kept  # no temp file left
+        for name in kept:  # what has a final name is complete, and what an uninterrupted run wrote
+            assert file_digest(store / name) == ref["files"][name]
+        assert not out.exists()
+
+        filler.unlink()  # space freed: the rerun continues where it stopped
+        run_script(*cmd[1:], timeout=300)
+        summary = json.loads(out.read_text())
+        assert (summary["reused"], summary["regenerated"]) == (3, 3)
+        assert summary["files"] == ref["files"]
 
 
 def _target_with_layers(tmp_path: Path, tiny_target: Path, n: int) -> Path:

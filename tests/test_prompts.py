@@ -276,6 +276,55 @@ def test_cli_error_is_clean_and_writes_nothing(tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".train.jsonl.*"))
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_byte_order_mark_is_read(tmp_path, suffix):
+    """What Windows editors write: UTF-8 with a BOM. Read like the same file without it."""
+    rows = [{"prompt": "caf\u00e9 au lait?"}, {"prompt": "second"}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) if suffix == ".jsonl" \
+        else json.dumps(rows, ensure_ascii=False)
+    plain, bom = tmp_path / f"plain{suffix}", tmp_path / f"bom{suffix}"
+    plain.write_bytes(text.encode())
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    got, _ = prepare_prompts.build_split(settings_for(bom, eval_source=str(bom)), "train")
+    want, _ = prepare_prompts.build_split(settings_for(plain, eval_source=str(plain)), "train")
+    assert sorted(user_texts(got)) == sorted(user_texts(want)) == ["caf\u00e9 au lait?", "second"]
+
+
+@pytest.mark.parametrize("suffix, line", [(".jsonl", 3), (".json", 2)])
+def test_bytes_that_are_not_utf8_name_file_line_and_offset(tmp_path, suffix, line):
+    """A Latin-1 byte (0xe9) on a later line: a clean error naming the file, the line and the
+    byte offset, from the script as from a rule (no UnicodeDecodeError traceback)."""
+    good = b'{"prompt": "fine"}\n{"prompt": "also fine"}\n'
+    if suffix == ".jsonl":
+        data = good + b'{"prompt": "caf\xe9"}\n'
+    else:
+        data = b'[{"prompt": "fine"},\n {"prompt": "caf\xe9"}]'
+    src = tmp_path / f"latin1{suffix}"
+    src.write_bytes(data)
+    offset = data.index(b"\xe9")
+    out = tmp_path / "train.jsonl"
+    proc = run_script("prepare_prompts.py", "--split", "train", "--settings", json.dumps(settings_for(src)),
+                      "--out", out, "--provenance", tmp_path / "p.json", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"ERROR: {src}:{line}: not UTF-8 text (byte(s) e9 at byte offset {offset}"), \
+        proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_settings_file_with_bom_is_read_and_bad_bytes_are_named(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}, {"prompt": "there"}])
+    settings = tmp_path / "settings.json"
+    settings.write_bytes(b"\xef\xbb\xbf" + json.dumps(settings_for(src, eval_source=str(src))).encode())
+    ok = run_script("prepare_prompts.py", "--split", "train", "--settings", f"@{settings}",
+                    "--out", tmp_path / "train.jsonl", "--provenance", tmp_path / "p.json")
+    assert "2 written" in ok.stdout
+    settings.write_bytes(json.dumps(settings_for(src)).encode().replace(b'"seed"', b'"s\xffeed"'))
+    bad = run_script("prepare_prompts.py", "--split", "train", "--settings", f"@{settings}",
+                     "--out", tmp_path / "t2.jsonl", "--provenance", tmp_path / "p2.json", check=False)
+    assert bad.returncode == 2 and f"{settings}:1: not UTF-8 text (byte(s) ff at byte offset" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_help():
     proc = run_script("prepare_prompts.py", "--help")
     assert "--split" in proc.stdout and "eval_fraction" in proc.stdout

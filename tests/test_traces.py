@@ -341,6 +341,96 @@ def test_timeouts_are_retried_then_fail_the_job(inputs, tmp_path):
     assert not res.out.exists()
 
 
+# --------------------------------------------------------------------------- flaky endpoint
+
+FLAKY = Path(__file__).resolve().parent / "flaky_openai_server.py"
+# tests/flaky_openai_server.py's fault classes -> the error class the backend records for them
+FAULT_LABELS = {"http500": "HTTP 500", "http429": "HTTP 429", "timeout": "timeout",
+                "truncated": "malformed response", "wrong_shape": "malformed response",
+                "not_utf8": "malformed response"}
+
+
+def start_flaky(port: int, log: Path, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([PY, str(FLAKY), "--port", str(port), "--log", str(log), "--seed", "3",
+                             "--retry-after", "3", "--stall-s", "2.5", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "listening" in proc.stdout.readline()
+    return proc
+
+
+def test_flaky_endpoint_retries_records_failures_and_resumes_after_the_server_dies(inputs, tmp_path):
+    """A server answering 500, 429 + Retry-After, stalls past the timeout, truncated, wrong-shaped
+    and non-UTF-8 JSON at random (at most 2 faults per prompt), one prompt failing forever, and
+    the first server SIGKILLing itself after 4 answers. Run 1 fails naming the dead endpoint and
+    keeps its answers; run 2 (a new flaky server on the same port) asks only for the rest,
+    retries with backoff honouring Retry-After, completes, and counts every failure."""
+    questions = [f"Question {i}: tell me about {t}." for i, t in enumerate(
+        ["rain", "owls", "salt", "kites", "maps", "bread", "chess", "bees", "clocks", "rivers", "glass", "moon"])]
+    prompts = tmp_path / "train.jsonl"
+    write_jsonl(prompts, [{"id": f"q:{i}", "messages": [{"role": "user", "content": q}], "category": None,
+                           "source": "test"} for i, q in enumerate(questions)])
+    inp = SimpleNamespace(target=inputs.target, manifest=inputs.manifest, prompts=prompts)
+    port, cache = free_port(), tmp_path / "cache"
+    settings = {**SETTINGS, "backend": "openai", "endpoint": f"http://127.0.0.1:{port}/v1", "retries": 2,
+                "request_timeout_s": 1.5, "reasoning_parser": None, "batch_size": 4}
+    doomed = questions[5]
+
+    log1 = tmp_path / "server1.jsonl"
+    server = start_flaky(port, log1, "--always-fail", "bread", "--die-after-answers", "4")
+    try:
+        first = traces(inp, settings, 0, 1, cache, tmp_path / "out1", check=False, timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+    assert first.proc.returncode == 2, first.proc.stdout + first.proc.stderr
+    assert f"http://127.0.0.1:{port}/v1" in first.proc.stderr and "unreachable" in first.proc.stderr
+    assert "Traceback" not in first.proc.stderr and not first.out.exists()
+    answered = {json.loads(l)["row"]["messages"][0]["content"] for l in cache_lines(cache)}
+    assert len(answered) == 4  # every answer the dead server gave was kept
+
+    log2 = tmp_path / "server2.jsonl"
+    server = start_flaky(port, log2, "--always-fail", "bread")
+    try:
+        second = traces(inp, settings, 0, 1, cache, tmp_path / "out2", timeout=180)
+    finally:
+        server.kill()
+        server.wait()
+    requests = [json.loads(line) for line in log2.read_text().splitlines()]
+    assert not answered & {r["prompt"] for r in requests}  # finished rows were not asked again
+    assert "4 already in" in second.proc.stdout
+
+    rows = {r["messages"][0]["content"]: r for r in second.rows}
+    assert [r["id"] for r in second.rows] == [f"q:{i}" for i in range(len(questions))]
+    for q, row in rows.items():
+        if q == doomed:  # failed every attempt: recorded with its error, not dropped, not cached
+            assert row["finish_reason"] == "error" and row["error"].startswith("HTTP 500: internal server error")
+            assert row["answer"] is None
+            continue
+        assert row["finish_reason"] == "stop" and row["error"] is None, row
+        assert row["answer"] == f"R\u00e9ponse \u00e0 \u00ab {q[:40]} \u00bb"  # BOM-led and plain replies alike
+    s = second.summary
+    assert (s["ok"], s["failed"], s["reused"]) == (len(questions) - 1, 1, 4)
+    assert s["failed_by_error"] == {"HTTP 500": 1}
+    # every fault the server injected is counted by its class, and all six kinds occurred
+    faults = [r["fault"] for r in requests if r["fault"]]
+    assert set(faults) == set(FAULT_LABELS), faults
+    expected = {}
+    for f in faults:
+        expected[FAULT_LABELS[f]] = expected.get(FAULT_LABELS[f], 0) + 1
+    assert s["attempt_errors"] == expected
+    assert s["retried"] == sum(1 for r in requests if r["attempt"] > 1)
+    # a 429'd prompt was not asked again before its Retry-After (3 s, above the 2 s backoff)
+    for r in requests:
+        if r["fault"] == "http429":
+            again = next(x for x in requests if x["prompt"] == r["prompt"] and x["attempt"] == r["attempt"] + 1)
+            assert again["t"] - r["t"] >= 3.0, (r, again)
+    assert "the server asked for Retry-After 3s" in second.proc.stdout
+    assert s["retry_wait_s"] >= 3.0 + 4.0  # round 1: max(backoff 2 s, Retry-After 3 s); round 2: 4 s
+    # the row cache holds the answers only: the doomed prompt is retried by a later run
+    cached = [json.loads(l)["row"] for l in cache_lines(cache)]
+    assert len(cached) == len(questions) - 1 and all(r["finish_reason"] == "stop" for r in cached)
+
+
 # --------------------------------------------------------------------------- cheap checks
 
 def test_cache_key_follows_answer_defining_settings_only():

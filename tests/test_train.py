@@ -11,11 +11,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_script
+from conftest import PY, SCRIPTS, run_script, small_disk
 from pipeline_lib import launch, speculators_cpu
 from pipeline_lib.assets import resolve_asset
 from pipeline_lib.errors import PipelineError
@@ -105,13 +108,16 @@ def train_args(run: dict, settings: dict, out: Path, hs_manifest: Path | None = 
 
 @pytest.fixture(scope="module")
 def trained(hs_run) -> dict:
-    """Run 1 trains one epoch; run 2 asks for three and must resume after epoch 0."""
+    """Run 1 trains one epoch; run 2 asks for three with extend_epochs and must resume after
+    epoch 0. A copy of run 1's checkpoints is kept for the start-over test."""
     out = hs_run["root"] / "drafts" / "default"
     first = run_script("train_draft.py", *train_args(hs_run, SETTINGS, out), timeout=600)
     first_rows = [json.loads(line) for line in (out / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
-    second = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 3}, out),
+    one_epoch = hs_run["root"] / "one-epoch-checkpoints"
+    shutil.copytree(out / "checkpoints", one_epoch, symlinks=True)
+    second = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 3, "extend_epochs": True}, out),
                         timeout=600, env={"HF_TOKEN": SECRET})
-    return {"out": out, "first": first, "first_rows": first_rows, "second": second}
+    return {"out": out, "first": first, "first_rows": first_rows, "second": second, "one_epoch": one_epoch}
 
 
 def read_safetensors(path: Path) -> dict:
@@ -140,6 +146,29 @@ def test_rerun_with_more_epochs_resumes_instead_of_retraining(trained):
     assert len(second_run) == 1 and second_run != {trained["first_rows"][0]["run_started"]}
     prov = json.loads((trained["out"] / "provenance.json").read_text())
     assert prov["resumed_after_epoch"] == 0
+    # the extension is on record: a 1-epoch run, continued to 3 epochs
+    history = [{k: v for k, v in h.items() if k != "started"} for h in prov["training_history"]]
+    assert history == [{"epochs": 1, "resumed_after_epoch": None},
+                       {"epochs": 3, "resumed_after_epoch": 0, "extended_from_epochs": 1}]
+    assert "continuing a 1-epoch run to 3 epochs" in log
+
+
+def test_more_epochs_without_extend_epochs_start_over(trained, hs_run, tmp_path):
+    """The 1-epoch run's linear schedule decayed lr to 0 by its end: asking for 2 epochs must
+    train 2 epochs from scratch, not resume from it. Its checkpoints are moved aside, kept."""
+    out = tmp_path / "draft"
+    shutil.copytree(trained["one_epoch"], out / "checkpoints", symlinks=True)
+    proc = run_script("train_draft.py", *train_args(hs_run, {**SETTINGS, "epochs": 2}, out), timeout=600)
+    assert "were made with different epochs (1 -> 2: the linear learning-rate schedule" in proc.stdout
+    assert "set train.extend_epochs: true" in proc.stdout
+    assert "resuming after epoch" not in proc.stdout and "Training epoch 1/2 started" in proc.stdout
+    (aside,) = out.glob("checkpoints.superseded-*")
+    assert (aside / "0" / "model.safetensors").exists()
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["resumed_after_epoch"] is None
+    assert [h["resumed_after_epoch"] for h in prov["training_history"]] == [None]
+    rows = [json.loads(line) for line in (out / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["split"]) for r in rows] == [(e, s) for e in range(2) for s in ("train", "val")]
 
 
 def test_metrics_csv_has_a_row_per_epoch_and_split(trained):
@@ -272,12 +301,15 @@ def test_secrets_stay_out_of_provenance_and_log(trained):
     assert SECRET not in trained["second"].stdout + trained["second"].stderr
 
 
-def _epoch(ckpt: Path, n: int, complete: bool = True) -> Path:
+def _epoch(ckpt: Path, n: int, complete: bool = True, validated: bool = True) -> Path:
     d = ckpt / str(n)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_text(f"weights of epoch {n}")
-    if complete:
-        (d / "training_state.json").write_text("{}")
+    if complete:  # what speculators writes last when it saves an epoch (before validating it)
+        (d / "training_state.json").write_text(json.dumps({"epoch": n, "local_step": 0, "global_step": 8 * (n + 1)}))
+    if complete and validated:  # what train_draft's metrics recorder appends when validation ends
+        with open(ckpt / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"epoch": n, "split": "val", "metrics": {"loss": 1.0 / (n + 1)}}) + "\n")
     return d
 
 
@@ -306,6 +338,104 @@ def test_resume_skips_a_half_saved_epoch_and_longer_runs_start_fresh(tmp_path):
     # asking for fewer epochs than already trained cannot resume: moved aside, fresh start
     assert train_draft.prepare_checkpoints(ckpt, fp, epochs=1) is None
     assert len(list(tmp_path.glob("checkpoints.superseded-*"))) == 1
+
+
+def test_an_epoch_saved_but_not_validated_is_not_resumed_past(tmp_path):
+    """speculators saves an epoch, then validates it: killed in between, the epoch's metrics and
+    its best-epoch candidacy were never recorded, so it is trained again."""
+    import train_draft
+
+    ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
+    ckpt.mkdir()
+    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    _epoch(ckpt, 0), _epoch(ckpt, 1, validated=False)
+    with open(ckpt / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 1, "split": "tr')  # and a torn line of the killed append
+    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 0
+    assert not (ckpt / "1").exists() and train_draft.best_epoch(ckpt) == 0
+
+
+def test_a_torn_end_of_epoch_marker_is_not_trusted(tmp_path):
+    import train_draft
+
+    ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
+    ckpt.mkdir()
+    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    _epoch(ckpt, 0)
+    (_epoch(ckpt, 1, complete=False) / "training_state.json").write_text('{"epoch": 1, "local_')  # killed mid-write
+    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 0
+    assert not (ckpt / "1").exists()
+
+
+@pytest.mark.parametrize("scheduler, extend, resumes", [
+    ("linear", False, False),   # lr decays over the epochs: another trajectory, start over
+    ("cosine", False, False),
+    ("linear", True, True),     # explicitly asked for: continue, and record it
+    ("none", False, True),      # constant lr: more epochs are the same trajectory, continued
+])
+def test_epochs_change_resumes_only_when_the_schedule_allows_or_asked(tmp_path, scheduler, extend, resumes):
+    import train_draft
+
+    ckpt = tmp_path / "checkpoints"
+    fp = {"lr": 0.1, "scheduler": scheduler, "epochs": 4}
+    train_draft.prepare_checkpoints(ckpt, fp, epochs=4)
+    for n in range(4):
+        _epoch(ckpt, n)
+    got = train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8}, epochs=8, extend_epochs=extend)
+    assert got == (3 if resumes else None)
+    assert bool(list(tmp_path.glob("checkpoints.superseded-*"))) is not resumes
+    history = train_draft.training_history(ckpt)
+    if resumes:
+        assert [h["epochs"] for h in history] == [4, 8]
+        assert history[1]["resumed_after_epoch"] == 3 and history[1]["extended_from_epochs"] == 4
+    else:
+        assert [(h["epochs"], h["resumed_after_epoch"]) for h in history] == [(8, None)]
+    # any other knob that shapes the trajectory never resumes, extend_epochs or not
+    assert train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8, "lr": 0.2}, epochs=8, extend_epochs=True) is None
+
+
+def test_full_disk_while_saving_an_epoch_fails_clearly_and_rerun_resumes(hs_run, tmp_path):
+    """Checkpoints on a small real filesystem (tmpfs); once epoch 0 is saved another writer
+    takes the space. Saving epoch 1 fails: a clear error naming the checkpoint dir and the
+    bytes the plan expected, the half-written epoch removed (never resumed), epoch 0 and no
+    output kept. With space freed the rerun resumes after epoch 0 and finishes."""
+    settings = {**SETTINGS, "epochs": 2}
+    with small_disk(tmp_path / "disk", 24 << 20) as disk:
+        out = disk.path / "draft"
+        ckpt = out / "checkpoints"
+        marker = ckpt / "0" / "training_state.json"
+        filled = []
+
+        def fill_after_epoch_0():
+            deadline = time.time() + 300
+            while not marker.exists() and time.time() < deadline:
+                time.sleep(0.02)
+            filled.append(disk.fill(leave=512 << 10))  # less than one epoch checkpoint (~2 MB)
+
+        watcher = threading.Thread(target=fill_after_epoch_0, daemon=True)
+        watcher.start()
+        proc = subprocess.run([PY, str(SCRIPTS / "train_draft.py"), *map(str, train_args(hs_run, settings, out))],
+                              capture_output=True, text=True, timeout=600)
+        watcher.join(timeout=5)
+        assert filled and proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        err = proc.stderr
+        assert f"\nERROR: {ckpt}: the disk is full (" in err, err[-3000:]
+        assert "while writing 2 epoch checkpoint(s) of about" in err and "the plan expected" in err
+        assert "training resumes after the last complete epoch" in err and "Traceback" not in err
+        assert sorted(train_draft_epochs(ckpt)) == [0] and not (ckpt / "1").exists()
+        assert not (out / "final").exists() and not (out / "provenance.json").exists()
+
+        filled[0].unlink()
+        rerun = run_script("train_draft.py", *train_args(hs_run, settings, out), timeout=600)
+        assert "resuming after epoch 0" in rerun.stdout and "Training epoch 1/2 started" not in rerun.stdout
+        prov = json.loads((out / "provenance.json").read_text())
+        assert prov["resumed_after_epoch"] == 0 and (out / "final" / "model.safetensors").exists()
+
+
+def train_draft_epochs(ckpt: Path) -> list[int]:
+    import train_draft
+
+    return list(train_draft.epoch_dirs(ckpt, complete_only=False))
 
 
 # ------------------------------------------------------------------------------ refusals

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import time
 
@@ -96,6 +97,37 @@ def test_bad_config_names_the_key(tmp_path, test_config, change, expected):
     err = proc.stdout + proc.stderr
     assert expected in err, err[-3000:]
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("encoding", ["bom", "latin-1"])
+def test_default_config_bytes(tmp_path, encoding):
+    """config.yaml saved with a byte-order mark plans as usual; saved as Latin-1, the run stops
+    naming config.yaml, the line and the byte offset (not a codec traceback from YAML)."""
+    repo = tmp_path / "workflow"
+    repo.mkdir()
+    for name in ("Snakefile", "rules", "scripts", "schemas", "profiles"):
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
+        copy(REPO / name, repo / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                          if (REPO / name).is_dir() else {}))
+    text = (REPO / "config.yaml").read_bytes()
+    first_comment = text.index(b"# ")
+    if encoding == "bom":
+        data = b"\xef\xbb\xbf" + text
+    else:  # a Latin-1 'e acute' in the first comment
+        data = text[:first_comment + 2] + b"caf\xe9 " + text[first_comment + 2:]
+    (repo / "config.yaml").write_bytes(data)
+    proc = subprocess.run([PY, "-m", "snakemake", "-s", str(repo / "Snakefile"), "-d", str(tmp_path / "w"),
+                           "-n", "--cores", "2"], capture_output=True, text=True, timeout=120)
+    if encoding == "bom":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert set(planned_jobs(proc.stdout + proc.stderr)) == set(EXPECTED_JOBS_TEST)
+        return
+    assert proc.returncode != 0
+    line = text.count(b"\n", 0, first_comment) + 1
+    offset = first_comment + 2 + 3
+    out = proc.stdout + proc.stderr
+    assert f"config.yaml:{line}: not UTF-8 text (byte(s) e9 at byte offset {offset}" in out, out[-3000:]
+    assert "UnicodeDecodeError" not in out
 
 
 def test_kimi_scale_plan_is_fast_and_right(tmp_path, test_config):

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from .errors import PipelineError
+from .io import read_text
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -20,8 +21,10 @@ def parser(description: str) -> argparse.ArgumentParser:
 def json_object(text: str) -> dict[str, Any]:
     """argparse type: a JSON object, inline or '@file.json'."""
     if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
+        try:
+            text = read_text(text[1:], "--settings file")
+        except PipelineError as err:
+            raise argparse.ArgumentTypeError(str(err))
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:

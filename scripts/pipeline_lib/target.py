@@ -9,7 +9,6 @@ it actually loaded, so the contract checks compare two measurements, not a value
 own copy."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ def load_config(target_dir: str | Path) -> dict[str, Any]:
     path = Path(target_dir) / "config.json"
     if not path.exists():
         raise PipelineError(f"{path}: target has no config.json; is {target_dir} a HF model dir?")
-    return json.loads(path.read_text())
+    return read_json(path, "target config")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -68,14 +67,14 @@ def has_chat_template(target_dir: str | Path) -> bool:
     if (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists():
         return True
     tok_cfg = d / "tokenizer_config.json"
-    return tok_cfg.exists() and bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+    return tok_cfg.exists() and bool(read_json(tok_cfg, "tokenizer config").get("chat_template"))
 
 
 def tokenizer_digest(model_dir: str | Path) -> str:
     """The tokenizer files of a model dir (tokenizer_config.json without its chat template)."""
     model_dir = Path(model_dir)
     tok_cfg_path = model_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    tok_cfg = read_json(tok_cfg_path, "tokenizer config") if tok_cfg_path.exists() else {}
     tok_cfg.pop("chat_template", None)
     parts: dict[str, Any] = {"tokenizer_config.json": tok_cfg}
     for name in TOKENIZER_FILES:

@@ -27,4 +27,4 @@ Failure policy, applied by generate_with_retries():
 from . import openai_backend, transformers_backend, vllm_backend  # noqa: F401  (each registers its backend)
 from .base import (BACKENDS, ERROR_INVALID, ERROR_TRANSIENT, ERROR_UNREACHABLE, FINISH_REASONS,  # noqa: F401
                    Backend, BackendUnavailable, Completion, GenerationSettings, PromptRequest, ReasoningSplitter,
-                   RunCounts, generate_with_retries, make_backend, redact_url)
+                   RunCounts, error_label, generate_with_retries, make_backend, redact_url)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -22,6 +23,9 @@ ERROR_TRANSIENT = "transient"      # timeout or server error: retry
 ERROR_UNREACHABLE = "unreachable"  # the backend cannot be reached: retry, then fail the job
 
 FINISH_REASONS = ("stop", "length", "error")
+# A server's Retry-After is honoured up to this long per retry round (a misconfigured server
+# asking for hours must not park the job silently; the retry budget still bounds the total).
+MAX_RETRY_AFTER_S = 300.0
 
 
 class BackendUnavailable(PipelineError):
@@ -128,6 +132,7 @@ class Completion:
     completion_tokens: int = 0
     error: str | None = None
     error_kind: str | None = None
+    retry_after_s: float | None = None  # the server asked to wait this long before retrying
 
     @property
     def ok(self) -> bool:
@@ -135,10 +140,17 @@ class Completion:
 
     @classmethod
     def failed(cls, request: PromptRequest, error: str | BaseException, kind: str,
-               prompt_tokens: int = 0) -> "Completion":
+               prompt_tokens: int = 0, retry_after_s: float | None = None) -> "Completion":
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         return cls(request, finish_reason="error", error=scrub(text)[:2000], error_kind=kind,
-                   prompt_tokens=prompt_tokens)
+                   prompt_tokens=prompt_tokens, retry_after_s=retry_after_s)
+
+
+def error_label(error: str) -> str:
+    """The class of an error message, for counting: what precedes its first ':' ("HTTP 429",
+    "timeout", "malformed response", ...)."""
+    head = error.split(":", 1)[0]
+    return head if len(head) <= 60 else head[:60] + "..."
 
 
 def none_if_empty(text: str | None) -> str | None:
@@ -302,6 +314,9 @@ class RunCounts:
     transient_failures: int = 0
     retried: int = 0
     first_transient_error: str | None = None
+    # Every failed attempt, retried or final, by error_label(): what the backend went through.
+    attempt_errors: Counter = field(default_factory=Counter)
+    waited_s: float = 0.0
 
 
 def generate_with_retries(backend: Backend, requests: Iterable[PromptRequest], retries: int,
@@ -312,20 +327,27 @@ def generate_with_retries(backend: Backend, requests: Iterable[PromptRequest], r
     as it is final. See the module docstring for what is retried and what fails the job."""
     pending = list(requests)
     counts = RunCounts(attempted=len(pending))
+    retry_after = 0.0
     for attempt in range(retries + 1):
         if attempt:
-            delay = backend.retry_delay_s(attempt)
+            # Exponential backoff, or longer where the server said so (429/503 Retry-After).
+            delay = max(backend.retry_delay_s(attempt), min(retry_after, MAX_RETRY_AFTER_S))
             log(f"[retry {attempt}/{retries}] {len(pending)} prompt(s) again"
-                + (f" in {delay:.0f}s" if delay else ""))
+                + (f" in {delay:.1f}s" if delay else "")
+                + (f" (the server asked for Retry-After {retry_after:g}s)" if retry_after else ""))
             sleep(delay)
+            counts.waited_s += delay
             counts.retried += len(pending)
         again: list[PromptRequest] = []
+        retry_after = 0.0
         last_attempt = attempt == retries
         for c in backend.generate(pending):
             if c.ok:
                 counts.ok += 1
                 on_done(c)
                 continue
+            counts.attempt_errors[error_label(c.error)] += 1
+            retry_after = max(retry_after, c.retry_after_s or 0.0)
             if c.error_kind == ERROR_UNREACHABLE and last_attempt:
                 raise BackendUnavailable(f"the {backend.name} backend became unreachable and stayed so for "
                                          f"{retries + 1} attempt(s): {c.error}")

@@ -1,14 +1,21 @@
 """openai backend: chat completions against an OpenAI-compatible endpoint (`vllm serve`, SGLang, ...)."""
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from email.utils import parsedate_to_datetime
 from typing import Any, Iterator
 
-from .base import (ERROR_INVALID, ERROR_TRANSIENT, ERROR_UNREACHABLE, Backend, BackendUnavailable, Completion,
-                   PromptRequest, none_if_empty, redact_url, register, vllm_tokenizer)
+from .base import (ERROR_INVALID, ERROR_TRANSIENT, ERROR_UNREACHABLE, MAX_RETRY_AFTER_S, Backend,
+                   BackendUnavailable, Completion, PromptRequest, none_if_empty, redact_url, register,
+                   vllm_tokenizer)
 from ..errors import PipelineError
+from ..io import decode_text
 from ..secrets import scrub
+
+# Statuses that say "later", not "never": retried (with the server's Retry-After, if any).
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 
 
 @register("openai")
@@ -53,17 +60,18 @@ class OpenAIBackend(Backend):
         s = self.settings
         attempts = s.retries + 1
         last = ""
+        wait = 0.0
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.retry_delay_s(attempt))
+                time.sleep(max(self.retry_delay_s(attempt), min(wait, MAX_RETRY_AFTER_S)))
             try:
                 r = self.client.get("/models", timeout=min(30.0, s.request_timeout_s))
             except httpx.TransportError as err:
                 last = f"{type(err).__name__}: {err}"
                 self.log(f"[openai] attempt {attempt + 1}/{attempts}: {self.shown_url} unreachable ({last})")
                 continue
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}"
+            if r.status_code in RETRY_STATUSES:
+                last, wait = f"HTTP {r.status_code}", retry_after_s(r) or 0.0
                 continue
             self._raise_for_fatal_status(r, "GET /models")
             if r.status_code == 404 and s.model_name:  # some servers have no /models
@@ -71,7 +79,11 @@ class OpenAIBackend(Backend):
             if r.status_code != 200:
                 raise BackendUnavailable(f"{self.shown_url}/models answered HTTP {r.status_code}: "
                                          f"{scrub(r.text[:300])}; is generation.endpoint an OpenAI-compatible API?")
-            served = [m.get("id") for m in r.json().get("data", [])]
+            try:
+                served = [m.get("id") for m in parse_json_reply(r.content, f"{self.shown_url}/models")["data"]]
+            except (ValueError, KeyError, TypeError, AttributeError, PipelineError) as err:
+                raise BackendUnavailable(f"{self.shown_url}/models answered something that is not a model list "
+                                         f"({err}); is generation.endpoint an OpenAI-compatible API?") from None
             if s.model_name:
                 if s.model_name not in served:
                     raise BackendUnavailable(f"setting generation.model_name = {s.model_name!r} is not served "
@@ -117,33 +129,33 @@ class OpenAIBackend(Backend):
         try:
             r = self.client.post("/chat/completions", json=body)
         except httpx.ConnectTimeout as err:
-            return Completion.failed(req, f"{self.shown_url} unreachable: {err}", ERROR_UNREACHABLE)
+            return Completion.failed(req, f"unreachable: {self.shown_url} ({err})", ERROR_UNREACHABLE)
         except httpx.TimeoutException:
-            return Completion.failed(req, f"no answer within request_timeout_s = {s.request_timeout_s}s",
+            return Completion.failed(req, f"timeout: no answer within request_timeout_s = {s.request_timeout_s}s",
                                      ERROR_TRANSIENT)
         except httpx.ConnectError as err:
-            return Completion.failed(req, f"{self.shown_url} unreachable: {err}", ERROR_UNREACHABLE)
+            return Completion.failed(req, f"unreachable: {self.shown_url} ({err})", ERROR_UNREACHABLE)
         except httpx.TransportError as err:
-            return Completion.failed(req, err, ERROR_TRANSIENT)
+            return Completion.failed(req, f"connection: {type(err).__name__}: {err}", ERROR_TRANSIENT)
         self._raise_for_fatal_status(r, "POST /chat/completions")
         if r.status_code != 200:
-            kind = ERROR_TRANSIENT if r.status_code in (408, 429) or r.status_code >= 500 else ERROR_INVALID
-            return Completion.failed(req, f"HTTP {r.status_code}: {_error_text(r)}", kind)
+            kind = ERROR_TRANSIENT if r.status_code in RETRY_STATUSES or r.status_code >= 500 else ERROR_INVALID
+            return Completion.failed(req, f"HTTP {r.status_code}: {_error_text(r)}", kind,
+                                     retry_after_s=retry_after_s(r))
         try:
-            data = r.json()
-            choice = data["choices"][0]
-            message = choice["message"]
-        except (ValueError, KeyError, IndexError, TypeError) as err:
-            return Completion.failed(req, f"malformed response ({err}): {r.text[:300]}", ERROR_TRANSIENT)
-        usage = data.get("usage") or {}
-        prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        finish = {"tool_calls": "stop", "function_call": "stop"}.get(choice.get("finish_reason"),
-                                                                     choice.get("finish_reason"))
+            reply = parse_chat_reply(r.content, f"reply from {self.shown_url}")
+        except (ValueError, PipelineError) as err:
+            # Truncated or wrong-shaped replies come from overloaded or buggy servers: retry.
+            return Completion.failed(req, f"malformed response: {err}; the reply began {r.content[:200]!r}",
+                                     ERROR_TRANSIENT)
+        message, finish, usage = reply
+        prompt_tokens = usage.get("prompt_tokens", 0)
+        finish = {"tool_calls": "stop", "function_call": "stop"}.get(finish, finish)
         if finish not in ("stop", "length"):
-            return Completion.failed(req, f"the server finished with finish_reason={finish!r}", ERROR_TRANSIENT,
-                                     prompt_tokens)
+            return Completion.failed(req, f"finish_reason {finish!r}: the server did not finish the answer",
+                                     ERROR_TRANSIENT, prompt_tokens)
         reasoning, answer = self._server_split(message, req.messages)
-        return Completion(req, reasoning, answer, finish, prompt_tokens, int(usage.get("completion_tokens") or 0))
+        return Completion(req, reasoning, answer, finish, prompt_tokens, usage.get("completion_tokens", 0))
 
     def _server_split(self, message: dict[str, Any], messages: list[dict[str, Any]]):
         content = message.get("content") or ""
@@ -161,6 +173,57 @@ class OpenAIBackend(Backend):
         return None, none_if_empty(content)
 
 
+def retry_after_s(r: Any) -> float | None:
+    """Seconds from a Retry-After header (delay-seconds or an HTTP date), None without one."""
+    value = r.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_json_reply(body: bytes, where: str) -> Any:
+    """A reply body as JSON: strict UTF-8 (a byte-order mark is skipped; bad bytes are named by
+    offset); a truncated body names the byte where it broke off."""
+    text = decode_text(body, where)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not complete JSON ({err.msg} at character {err.pos} of {len(text)})") from None
+
+
+def parse_chat_reply(body: bytes, where: str) -> tuple[dict[str, Any], Any, dict[str, int]]:
+    """(message, finish_reason, usage) of a chat-completions reply, its shape checked: a reply
+    of the wrong shape is an error here, never a row with a non-text answer."""
+    data = parse_json_reply(body, where)
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError(f"no choices[0] object (got {type(data).__name__} with keys "
+                         f"{sorted(data)[:8] if isinstance(data, dict) else '-'})")
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        raise ValueError(f"choices[0].message is {type(message).__name__}, not an object")
+    for key in ("content", "reasoning", "reasoning_content"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            raise ValueError(f"choices[0].message.{key} is {type(message[key]).__name__}, not text")
+    usage = data.get("usage") or {}
+    if not isinstance(usage, dict):
+        raise ValueError(f"usage is {type(usage).__name__}, not an object")
+    counts = {}
+    for key in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(key) or 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"usage.{key} = {value!r} is not a token count")
+        counts[key] = value
+    return message, choices[0].get("finish_reason"), counts
+
+
 def _api_base(endpoint: str) -> str:
     """Accepts http://host:port or http://host:port/v1 (with or without a trailing slash)."""
     url = endpoint.rstrip("/")
@@ -172,11 +235,11 @@ def _api_base(endpoint: str) -> str:
 
 def _error_text(r: Any) -> str:
     try:
-        err = r.json()
-        msg = err.get("error", err)
-        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
-        return scrub(str(msg))[:1000]
-    except ValueError:
+        err = parse_json_reply(r.content, "error reply")
+    except (ValueError, PipelineError):
         return scrub(r.text[:1000])
+    msg = err.get("error", err) if isinstance(err, dict) else err
+    msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+    return scrub(str(msg))[:1000]
 
 

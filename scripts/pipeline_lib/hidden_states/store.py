@@ -19,6 +19,7 @@ from ..target import load_config, num_layers, resolve_aux_layer_ids, text_config
 # Bump when the file layout changes: a new key, so old store entries are never reused.
 STORE_FORMAT = 1
 DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SCRIPTS_DIR = Path(__file__).resolve().parents[2]
 
 
@@ -53,6 +54,10 @@ class LayerSpec:
         import torch
 
         return getattr(torch, self.dtype)
+
+    def file_bytes(self, tokens: int) -> int:
+        """Size of one row's file: hidden states, int64 token ids, safetensors header (<256 B)."""
+        return tokens * (len(self.layer_ids) * self.hidden_size * DTYPE_BYTES[self.dtype] + 8) + 256
 
 
 def layer_spec(target_dir: str | Path, settings: dict[str, Any]) -> LayerSpec:
