@@ -262,6 +262,12 @@ class SlurmCluster:
             if proc is not None:
                 _stop_pid(proc.pid, name, proc)
                 self.pid_record(name).unlink(missing_ok=True)
+        # Our config must not outlive the cluster: with /etc/slurm/slurm.conf present, the SLURM
+        # executor plugin's `scontrol show config` waits ~9 s for the stopped controller at every
+        # later `snakemake` start (every dry-run of the tests that follow).
+        for path in (SLURM_CONF, GRES_CONF):
+            if path.exists() and MARKER in path.read_text(errors="replace"):
+                path.unlink()
         if errors:
             raise RuntimeError("; ".join(errors))
 

@@ -85,7 +85,10 @@ def rebuild_config(tiny_target: Path, prompts: Path) -> dict:
     cfg["generation"].update(backend="transformers", max_tokens=24, num_shards=TRACE_SHARDS, reasoning_parser=None)
     cfg["hidden_states"].update(backend="transformers", num_shards=HS_SHARDS)
     cfg["train"].update(epochs=1, total_seq_len=256)
-    cfg["verify"].update(backend="transformers", num_prompts=4, max_tokens=16, concurrency_one_prompts=0)
+    # An untrained-for-long draft on a random target: the rebuild cases are about which jobs
+    # run, so a missed acceptance threshold must not fail the build here.
+    cfg["verify"].update(backend="transformers", num_prompts=4, max_tokens=16, concurrency_one_prompts=0,
+                         fail_below_threshold=False)
     return cfg
 
 

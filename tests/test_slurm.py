@@ -142,15 +142,31 @@ def preempt_training(runs_dir: Path, profile: Path, config: dict, root: Path) ->
         job = wait_for(lambda: next((sid for _, sid, log in SUBMITTED.findall(first.output)
                                      if "rule_train_draft" in log), None), 120, "the train_draft submission", first)
         ckpt = runs_dir / "results" / cfg["run_name"] / "drafts" / PREEMPT_VARIANT / "checkpoints"
-        wait_for(lambda: (ckpt / str(CANCEL_AFTER_EPOCH) / "training_state.json").exists(), 300,
+        # An epoch is complete once saved AND validated (train_draft.py's rule: speculators saves
+        # before it validates), so wait for its validation row in the metrics log.
+        wait_for(lambda: CANCEL_AFTER_EPOCH in complete_epochs(ckpt), 300,
                  f"epoch {CANCEL_AFTER_EPOCH} of the preempt variant", first)
         run(["scancel", job])
-        saved = max(int(d.name) for d in ckpt.iterdir() if d.name.isdigit() and (d / "training_state.json").exists())
+        saved = max(complete_epochs(ckpt))
         first.wait()
     finally:
         first.interrupt()
     second = BoundedRun(cmd, root / "preempt-2.log", RUN_TIMEOUT_S).wait()
     return first, second, job, saved
+
+
+def complete_epochs(ckpt: Path) -> set[int]:
+    """Epochs with a saved checkpoint and a validation row in the metrics log."""
+    validated = set()
+    log = ckpt / "metrics.jsonl"
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        try:
+            row = json.loads(line)
+        except ValueError:  # the line being appended right now
+            continue
+        if row.get("split") == "val":
+            validated.add(row["epoch"])
+    return {e for e in validated if (ckpt / str(e) / "training_state.json").exists()}
 
 
 @pytest.fixture(scope="module")

@@ -254,11 +254,19 @@ def test_checkpoints_pruned_to_keep_last_with_optimizer_only_in_latest(trained):
 
 
 def test_select_last_takes_the_last_epoch_not_the_best(trained, hs_run, tmp_path):
-    """train.select: last. The finished checkpoints of `trained` are copied and their best
-    link pointed at epoch 1, so best and last differ for sure; the rerun resumes after the
-    last epoch (nothing left to train) and must export epoch 2, not the best one."""
+    """train.select: last. The finished checkpoints of `trained` are copied and epoch 1 made the
+    best one (its validation loss in the metrics log lowered, the best link pointed at it), so
+    best and last differ for sure; the rerun resumes after the last epoch (nothing left to
+    train) and must export epoch 2, not the best one."""
     out = tmp_path / "drafts" / "last"
     shutil.copytree(trained["out"] / "checkpoints", out / "checkpoints", symlinks=True)
+    log = out / "checkpoints" / "metrics.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    lowest = min(r["metrics"]["loss"] for r in rows if r.get("split") == "val")
+    for r in rows:
+        if r.get("split") == "val" and r["epoch"] == 1:
+            r["metrics"]["loss"] = lowest - 1.0
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     best = out / "checkpoints" / "checkpoint_best"
     best.unlink()
     best.symlink_to("1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -242,6 +243,10 @@ def _disk_full_cause(err: BaseException, path: str | os.PathLike, smallest_write
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
             return os.strerror(seen.errno)
+        # Rust writers (safetensors' save_file) report the errno only in their message.
+        rust_io = re.search(r"\(os error (\d+)\)", str(seen))
+        if rust_io and int(rust_io.group(1)) in DISK_FULL_ERRNOS:
+            return os.strerror(int(rust_io.group(1)))
         seen = seen.__cause__ or seen.__context__
     free = free_bytes(path)
     if free < smallest_write:
