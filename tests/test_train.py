@@ -609,5 +609,11 @@ def test_load_check_fails_with_vllms_own_message(trained, hs_run, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's scontrol (.ci/install_slurm.sh)")
-def test_first_host_expands_a_slurm_nodelist_with_scontrol():
+def test_first_host_expands_a_slurm_nodelist_with_scontrol(tmp_path, monkeypatch):
+    # scontrol needs a configuration source even to expand host names; on a compute node that
+    # is the cluster's slurm.conf, here a minimal one (the SLURM test cluster removes its own).
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\n"
+                    "PartitionName=p Nodes=localhost Default=YES\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     assert launch.first_host("gpu[07-08],cpu3") == "gpu07"

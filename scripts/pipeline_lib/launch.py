@@ -122,7 +122,9 @@ def first_host(nodelist: str) -> str:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                              text=True, timeout=30, check=True).stdout.split()
     except (OSError, subprocess.SubprocessError) as err:
-        raise PipelineError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol: {err}") from None
+        said = (getattr(err, "stderr", None) or "").strip()[-500:]
+        raise PipelineError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol: {err}"
+                            + (f"\n{said}" if said else "")) from None
     if not out:
         raise PipelineError(f"scontrol show hostnames {nodelist!r} returned no host")
     return out[0]
