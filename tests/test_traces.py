@@ -53,11 +53,23 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
-    """A prompts file (one prompt with a system turn, one over-long) and a target manifest."""
+def write_manifest(target: Path, path: Path) -> Path:
+    """The target manifest's digests the traces stage keys its cache on."""
     from pipeline_lib.digests import file_digest, json_digest, text_digest
 
+    path.write_text(json.dumps({
+        "weights_digest": json_digest(sorted((p.name, file_digest(p)) for p in target.glob("*.safetensors"))),
+        "tokenizer_digest": file_digest(target / "tokenizer.json"),
+        "chat_template_digest": text_digest((target / "chat_template.jinja").read_text()),
+        "dtype": "bfloat16",
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
+    """A prompts file (one prompt with a system turn, one over-long, one 3-turn conversation)
+    and a target manifest."""
     d = tmp_path_factory.mktemp("traces")
     prompts = []
     for i, q in enumerate(QUESTIONS):
@@ -70,13 +82,7 @@ def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
                                     {"user": LATER_USERS[0], "assistant": "To the lake."},
                                     {"user": LATER_USERS[1], "assistant": None}]
     write_jsonl(d / "train.jsonl", prompts)
-    manifest = {
-        "weights_digest": json_digest(sorted((p.name, file_digest(p)) for p in tiny_target.glob("*.safetensors"))),
-        "tokenizer_digest": file_digest(tiny_target / "tokenizer.json"),
-        "chat_template_digest": text_digest((tiny_target / "chat_template.jinja").read_text()),
-        "dtype": "bfloat16",
-    }
-    (d / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(tiny_target, d / "manifest.json")
     return SimpleNamespace(dir=d, target=tiny_target, prompts=d / "train.jsonl", manifest=d / "manifest.json",
                            ids=[p["id"] for p in prompts], messages={p["id"]: p["messages"] for p in prompts})
 
