@@ -14,6 +14,9 @@ source's own assistant answer, or null) when it has more than one user turn or a
 source's answers. Chitchat conversations have two speakers: the one who opens is the user,
 the other the assistant. A conversation is cut at the first message that is neither a user
 nor an assistant turn (a tool call, a system message mid-way) or at an empty user turn.
+A source with `answered_only: true` keeps only conversations whose first user turn has the
+source's own answer (so `generation.source: target` and `dataset` variants train on the same
+conversations); the others are counted as `unanswered_dropped`.
 
 Mixes: `prompts.train` may be a list of sources, each with its own format, `num_samples`
 (cap) and `weight`. Each source is de-duplicated against itself and against the sources
@@ -63,6 +66,7 @@ class SourceSpec:
     revision: str | None = None
     num_samples: int | None = None
     weight: float = 1.0
+    answered_only: bool = False  # keep only conversations whose first user turn has the source's answer
 
     @classmethod
     def from_entry(cls, entry: dict, setting: str) -> "SourceSpec":
@@ -72,9 +76,12 @@ class SourceSpec:
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise PipelineError(f"{setting}.weight = {weight!r}: must be a number > 0")
+        answered_only = spec.get("answered_only", False)
+        if not isinstance(answered_only, bool):
+            raise PipelineError(f"{setting}.answered_only = {answered_only!r}: must be true or false")
         return cls(setting=setting, source=spec["source"], format=spec.get("format") or "auto",
                    split=spec.get("split") or "train", revision=spec.get("revision"),
-                   num_samples=spec.get("num_samples"), weight=float(weight))
+                   num_samples=spec.get("num_samples"), weight=float(weight), answered_only=answered_only)
 
     @classmethod
     def all_from_settings(cls, settings: dict, split: str) -> list["SourceSpec"]:
@@ -547,6 +554,11 @@ def load_sources(specs: list[SourceSpec]) -> list[Source]:
                                 f"they would collide); merge them into one file or rename one")
         for p in prompts:
             p.label = label
+        if spec.answered_only:
+            # Before de-duplication: of two conversations with one opening, the answered one stays.
+            kept = [p for p in prompts if p.turns and p.turns[0]["assistant"] is not None]
+            counts.extra["unanswered_dropped"] = len(prompts) - len(kept)
+            prompts = kept
         prompts = dedupe(prompts, counts, seen, label)
         sources.append(Source(spec, label, fmt, prompts, {**record, "label": label}, counts,
                               "" if len(specs) == 1 else f":{label}"))
@@ -634,6 +646,8 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
         def why(s: Source) -> str:
             return (f"{s.counts.loaded} rows loaded, {s.counts.empty_dropped} empty, "
                     f"{s.counts.duplicates_dropped} duplicates"
+                    + (f", {s.counts.extra.get('unanswered_dropped', 0)} without an answer (answered_only)"
+                       if s.spec.answered_only else "")
                     + (f", {s.counts.extra.get('duplicates_across_sources', 0)} already in an earlier source"
                        if len(sources) > 1 else "")
                     + (f", {s.counts.extra.get('held_out_for_eval', 0)} held out for eval" if held_out else ""))
@@ -658,7 +672,8 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     totals = {k: sum(src.get(k, 0) for src in per_source)
               for k in ("loaded", "empty_dropped", "duplicates_dropped")}
     extra = {k: sum(src.get(k, 0) for src in per_source)
-             for k in ("duplicates_across_sources", "held_out_for_eval", "available", "held_out_added")
+             for k in ("unanswered_dropped", "duplicates_across_sources", "held_out_for_eval", "available",
+                       "held_out_added")
              if any(k in src for src in per_source)}
     fmt = sources[0].format if len(sources) == 1 else [s.format for s in sources]
     label = sources[0].label if len(sources) == 1 else [s.label for s in sources]
@@ -701,6 +716,8 @@ def main() -> None:
     print(f"prompts {args.split}: {len(rows)} written to {args.out} (format {summary['format']}, "
           f"{summary['loaded']} loaded, {summary['empty_dropped']} empty, "
           f"{summary['duplicates_dropped']} duplicates"
+          + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
+             if "unanswered_dropped" in summary else "")
           + (f", {summary['duplicates_across_sources']} already in an earlier source"
              if "duplicates_across_sources" in summary else "")
           + (f", {summary['held_out_for_eval']} held out for eval" if "held_out_for_eval" in summary else "")

@@ -224,6 +224,33 @@ def test_conversation_turns_and_answers(tmp_path):
     assert rows[0]["turns"] == [{"user": "Hi", "assistant": "Hello"}]
 
 
+def test_answered_only_keeps_conversations_with_the_sources_answer(tmp_path):
+    """answered_only: the rows a target-vs-dataset comparison trains both variants on. It
+    filters before de-duplication, so an answered copy of an unanswered opening survives."""
+    src = write_jsonl(tmp_path / "qa.jsonl", [
+        {"prompt": "same opening"}, {"prompt": "same opening", "response": "answered copy"},
+        {"prompt": "lonely"}, {"prompt": "2+2?", "completion": "4"},
+        *({"prompt": f"q{i}", "response": f"a{i}"} for i in range(6))])
+    settings = settings_for(src, eval_source=str(src), num_samples=5)
+    settings["train"]["answered_only"] = True
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert len(rows) == 5 and all(r["turns"][0]["assistant"] for r in rows)
+    everything, _ = prepare_prompts.build_split({**settings, "train": {**settings["train"], "num_samples": None}},
+                                                "train")
+    assert {r["id"] for r in everything} == {"qa:1", "qa:3", *(f"qa:{i}" for i in range(4, 10))}
+    assert (summary["unanswered_dropped"], summary["duplicates_dropped"], summary["sources"][0]["available"]) == (2, 0, 8)
+    # Off (the default): the same file gives every opening once, the unanswered first copy kept.
+    rows, summary = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "train")
+    assert {r["id"] for r in rows} >= {"qa:0", "qa:2"} and "qa:1" not in {r["id"] for r in rows}
+    assert "unanswered_dropped" not in summary and summary["duplicates_dropped"] == 1
+    with pytest.raises(PipelineError, match=r"prompts.train.answered_only = 'yes'"):
+        prepare_prompts.build_split({**settings, "train": {**settings["train"], "answered_only": "yes"}}, "train")
+    mt = write_jsonl(tmp_path / "mt.jsonl", [{"question_id": 1, "category": "x", "turns": ["first", "second"]}])
+    with pytest.raises(PipelineError, match=r"1 without an answer \(answered_only\)"):
+        prepare_prompts.build_split(settings_for(mt, eval_source=str(mt)) | {
+            "train": {"source": str(mt), "format": "mtbench", "answered_only": True}}, "train")
+
+
 # --------------------------------------------------------------------------------------
 # Dedup, split, cap
 # --------------------------------------------------------------------------------------

@@ -468,7 +468,7 @@ def test_flaky_endpoint_retries_records_failures_and_resumes_after_the_server_di
     assert first.proc.returncode == 2, first.proc.stdout + first.proc.stderr
     assert f"http://127.0.0.1:{port}/v1" in first.proc.stderr and "unreachable" in first.proc.stderr
     assert "Traceback" not in first.proc.stderr and not first.out.exists()
-    answered = {json.loads(l)["row"]["messages"][0]["content"] for l in cache_lines(cache)}
+    answered = {questions[int(json.loads(l)["row"]["id"].split(":")[1])] for l in cache_lines(cache)}
     assert len(answered) == 4  # every answer the dead server gave was kept
 
     log2 = tmp_path / "server2.jsonl"
@@ -618,7 +618,7 @@ def plain_greedy(tiny_target) -> SimpleNamespace:
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     questions = [q for q in QUESTIONS if len(q) < 1000] + ["hi", "Tell me everything you know about " * 6]
-    answers = {}
+    answers, token_ids = {}, {}
     for i, q in enumerate(questions):
         text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -628,7 +628,8 @@ def plain_greedy(tiny_target) -> SimpleNamespace:
         tokens = out[0, len(ids):].tolist()
         tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
         answers[f"q{i}"] = (tok.decode([t for t in tokens if t != eos]), len(tokens))
-    return SimpleNamespace(questions=questions, answers=answers)
+        token_ids[f"q{i}"] = tokens
+    return SimpleNamespace(questions=questions, answers=answers, token_ids=token_ids)
 
 
 @pytest.mark.parametrize("shape_locked", [False, True], ids=["cpu-path", "gpu-path"])
@@ -645,9 +646,39 @@ def test_transformers_greedy_answers_equal_plain_generate(tiny_target, plain_gre
     backend = make_backend(settings, tiny_target, "float32", log=lambda msg: None)
     backend.start()
     requests = [PromptRequest(f"q{i}", [{"role": "user", "content": q}]) for i, q in enumerate(plain_greedy.questions)]
-    got = {c.request.id: (c.answer or "", c.completion_tokens) for c in backend.generate(requests)}
+    completions = list(backend.generate(requests))
+    got = {c.request.id: (c.answer or "", c.completion_tokens) for c in completions}
     assert got == plain_greedy.answers
+    # The emitted ids (end-of-turn included) that tokenize splices in: plain generate's tokens.
+    assert {c.request.id: c.token_ids for c in completions} == plain_greedy.token_ids
     stats = backend.describe()
     assert stats["batches"] == 3 and stats["cache_len"] > 24
     assert stats["filler_rows"] == (12 - len(requests) if shape_locked else 0)
     assert (stats["warmup_s"] > 0) == shape_locked
+
+
+def test_transformers_token_ids_of_a_stopped_answer_end_with_its_end_of_turn_token(reasoning_target):
+    """The reasoning target stops (REASONING</think>ANSWER<|im_end|>): the ids the backend
+    returns are plain generate's, the end-of-turn token included (completion_tokens counts it,
+    as vLLM does), so tokenize splices exactly what the target emitted."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline_lib.generation import GenerationSettings, PromptRequest, make_backend
+
+    tok = AutoTokenizer.from_pretrained(reasoning_target)
+    model = AutoModelForCausalLM.from_pretrained(reasoning_target, dtype=torch.float32).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "user", "content": "Do you like hiking?"}]
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=eos)
+    plain = out[0, len(ids):].tolist()
+    assert eos in plain
+    plain = plain[:plain.index(eos) + 1]
+    backend = make_backend(GenerationSettings.from_dict({"backend": "transformers", "max_tokens": 48}),
+                           reasoning_target, "float32", log=lambda msg: None)
+    backend.start()
+    (c,) = backend.generate([PromptRequest("p", messages)])
+    assert (c.finish_reason, c.token_ids, c.completion_tokens) == ("stop", plain, len(plain))
