@@ -68,6 +68,8 @@ def prompt_settings(split):
     value = {"seed": p["seed"], "eval_held_out": held_out}
     if split == "train" or held_out or add_held:
         value["train"] = p["train"]
+        if p["mix_num_samples"] is not None:
+            value["mix_num_samples"] = p["mix_num_samples"]
     if split == "eval":
         value["eval"] = p["eval"]
     if held_out:
@@ -264,9 +266,13 @@ def prompt_source_refs(split):
     """The sources a prompt split reads: its own, and the training source when eval rows are
     held out of it."""
     p = config["prompts"]
-    sources = [p[split]["source"]]
+
+    def source_names(section):  # one source, or a list of them (a training mix)
+        return [e["source"] for e in section] if isinstance(section, list) else [section["source"]]
+
+    sources = source_names(p[split])
     if split == "eval" and (sources[0] is None or p["eval_held_out_samples"]):
-        sources.append(p["train"]["source"])
+        sources += source_names(p["train"])
     return [s for s in sources if s]
 
 

@@ -124,7 +124,20 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
     out["selection"] = select
     sel_row = next((r for r in val if r["epoch"] == selected), None)
     out["selected_val"] = {k: sel_row.get(k) for k in ["loss", *accs]} if sel_row else None
+    # What the draft was trained on: the traces' conversation and turn counts.
+    traces = next((p for p in provenance if p.get("rule") == "traces_gather"), {})
+    out["data"] = {"turns": traces.get("turns"), "source": traces.get("source"), **(traces.get("counts") or {})}
     return out
+
+
+def data_sentence(data: dict[str, Any]) -> str:
+    if not data.get("rows"):
+        return ""
+    return (f"Trained on {data['rows']} conversations ({data.get('failed', 0)} failed), answers from "
+            f"{'the prompt set' if data.get('source') == 'dataset' else 'the target'} "
+            f"(generation.turns: {data.get('turns')}): {data.get('turns_answered')} user turns answered, "
+            f"{data.get('turns_failed')} failed, {data.get('turns_dropped')} of {data.get('turns_total')} dropped"
+            + (" (later turns not asked)" if data.get("turns") == "first" and data.get("turns_dropped") else "") + ".")
 
 
 def provenance_summary(paths: list[Path]) -> tuple[list[dict], dict]:
@@ -427,7 +440,7 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
              for split in tr.get("splits", [])]
     sections.append(Section("Training", [
         f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
-        f"validation {fmt(tr.get('selected_val'))}."],
+        f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {})}".rstrip()],
         [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],
         ["Training loss per epoch", "Per-position accuracy per epoch"]))
     sections.append(lineage_section(result["lineage"]))

@@ -8,6 +8,23 @@ to the conversation up to and including its first user turn (system messages kep
 exact duplicates and empty prompts, splits train/eval deterministically by `prompts.seed`,
 and caps the split at `num_samples` (shuffle by seed, take the first N).
 
+Training rows also carry the rest of the conversation (`turns`: every user turn with the
+source's own assistant answer, or null) when it has more than one user turn or any answer:
+`generation.turns: all` answers every user turn, `generation.source: dataset` trains on the
+source's answers. Chitchat conversations have two speakers: the one who opens is the user,
+the other the assistant. A conversation is cut at the first message that is neither a user
+nor an assistant turn (a tool call, a system message mid-way) or at an empty user turn.
+A source with `answered_only: true` keeps only conversations whose first user turn has the
+source's own answer (so `generation.source: target` and `dataset` variants train on the same
+conversations); the others are counted as `unanswered_dropped`.
+
+Mixes: `prompts.train` may be a list of sources, each with its own format, `num_samples`
+(cap) and `weight`. Each source is de-duplicated against itself and against the sources
+listed before it, capped, and the capped sources are interleaved by a seeded draw weighted by
+`weight` (datasets.interleave_datasets), so the mix's order - and any prefix of it, e.g.
+`prompts.mix_num_samples`, the validation split, held-out rows - follows the weights. A
+single source (a mapping, or a one-element list) gives exactly the rows it gave before.
+
 With `prompts.eval.source: null` the eval set is `prompts.eval_fraction` of the training
 source and the train set excludes exactly those rows. With an eval source and
 `prompts.eval_held_out_samples: N`, N training-source prompts (the tail of the training
@@ -40,22 +57,43 @@ FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 @dataclass
 class SourceSpec:
-    """One configured prompt source (`prompts.train` or `prompts.eval`)."""
-    setting: str            # "prompts.train", for messages
+    """One configured prompt source (`prompts.train`, an entry of a `prompts.train` list, or
+    `prompts.eval`)."""
+    setting: str            # "prompts.train" or "prompts.train[1]", for messages
     source: str
     format: str = "auto"
     split: str = "train"
     revision: str | None = None
     num_samples: int | None = None
+    weight: float = 1.0
+    answered_only: bool = False  # keep only conversations whose first user turn has the source's answer
 
     @classmethod
-    def from_settings(cls, settings: dict, split: str) -> "SourceSpec":
-        spec = dict(settings.get(split) or {})
+    def from_entry(cls, entry: dict, setting: str) -> "SourceSpec":
+        spec = dict(entry or {})
         if not spec.get("source"):
-            raise PipelineError(f"prompts.{split}.source is not set; point it at a prompt file or hub dataset")
-        return cls(setting=f"prompts.{split}", source=spec["source"], format=spec.get("format") or "auto",
+            raise PipelineError(f"{setting}.source is not set; point it at a prompt file or hub dataset")
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+            raise PipelineError(f"{setting}.weight = {weight!r}: must be a number > 0")
+        answered_only = spec.get("answered_only", False)
+        if not isinstance(answered_only, bool):
+            raise PipelineError(f"{setting}.answered_only = {answered_only!r}: must be true or false")
+        return cls(setting=setting, source=spec["source"], format=spec.get("format") or "auto",
                    split=spec.get("split") or "train", revision=spec.get("revision"),
-                   num_samples=spec.get("num_samples"))
+                   num_samples=spec.get("num_samples"), weight=float(weight), answered_only=answered_only)
+
+    @classmethod
+    def all_from_settings(cls, settings: dict, split: str) -> list["SourceSpec"]:
+        """The sources of `prompts.<split>`: one mapping, or (train only) a list of them."""
+        value = settings.get(split)
+        if not isinstance(value, list):
+            return [cls.from_entry(value or {}, f"prompts.{split}")]
+        if split != "train":
+            raise PipelineError(f"prompts.{split} is a list; only prompts.train may be a mix of sources")
+        if not value:
+            raise PipelineError("prompts.train is an empty list; give at least one source")
+        return [cls.from_entry(entry, f"prompts.train[{i}]") for i, entry in enumerate(value)]
 
 
 @dataclass
@@ -70,6 +108,10 @@ class Prompt:
     key: str
     messages: list[dict[str, str]]
     category: str | None = None
+    # Every user turn with the source's own answer: [{"user", "assistant": str|None}], the first
+    # included; None when the conversation is one user turn without an answer.
+    turns: list[dict[str, str | None]] | None = None
+    label: str = ""         # the source's label (set after loading; row ids are label:key)
 
 
 @dataclass
@@ -107,8 +149,13 @@ def first_user_turn(turns: list[tuple[Any, Any]], where: str, roles: dict[str, s
 
     System messages before it are kept; assistant messages before it (greetings) are not part
     of a prompt. None when the user turn is empty (dropped and counted, not an error)."""
+    return _opening(turns, where, roles)[0]
+
+
+def _opening(turns: list[tuple[Any, Any]], where: str, roles: dict[str, str]) -> tuple[list[dict] | None, int]:
+    """(first_user_turn's messages, index of the message after the first user turn)."""
     messages = []
-    for raw_role, content in turns:
+    for i, (raw_role, content) in enumerate(turns):
         role = roles.get(str(raw_role).lower()) if raw_role is not None else None
         if role is None:
             raise PipelineError(f"{where}: unknown role {raw_role!r} before the first user turn "
@@ -119,12 +166,53 @@ def first_user_turn(turns: list[tuple[Any, Any]], where: str, roles: dict[str, s
                 messages.append({"role": "system", "content": text})
         elif role == "user":
             if not text.strip():
-                return None
+                return None, i + 1
             messages.append({"role": "user", "content": text})
-            return messages
+            return messages, i + 1
     seen = sorted({str(r) for r, _ in turns})
     raise PipelineError(f"{where}: no user turn (roles seen: {', '.join(seen) or 'none'}); every prompt "
                         f"needs one. Fix or remove the row, or check prompts.*.format")
+
+
+def conversation_turns(first_user: str, rest: list[tuple[str | None, str]]) -> list[dict] | None:
+    """Every user turn with the source's answer to it, from the (role, text) pairs after the
+    first user turn: [{"user", "assistant": str|None}]. Consecutive assistant messages are
+    joined by a newline; two user messages in a row leave the first unanswered. The
+    conversation is cut at anything else (tool call, system message, unknown role) and at an
+    empty user turn. None when there is nothing beyond an unanswered first turn."""
+    turns: list[dict[str, str | None]] = [{"user": first_user, "assistant": None}]
+    for role, text in rest:
+        if role == "assistant":
+            if text.strip():
+                prev = turns[-1]["assistant"]
+                turns[-1]["assistant"] = text if prev is None else f"{prev}\n{text}"
+        elif role == "user" and text.strip():
+            turns.append({"user": text, "assistant": None})
+        else:
+            break
+    return turns if len(turns) > 1 or turns[0]["assistant"] is not None else None
+
+
+def _role_pairs(turns: list[tuple[Any, Any]], where: str, roles: dict[str, str]) -> list[tuple[str | None, str]]:
+    """(mapped role, text) pairs; content that is not text ends the conversation (role None)."""
+    out = []
+    for raw_role, content in turns:
+        role = roles.get(str(raw_role).lower()) if raw_role is not None else None
+        try:
+            out.append((role, _text(content, where)))
+        except PipelineError:
+            out.append((None, ""))
+    return out
+
+
+def map_conversation(raw: RawRow, pairs: list[tuple[Any, Any]], roles: dict[str, str],
+                     key: str | None = None) -> Prompt | None:
+    """A Prompt from a raw conversation: its opening (first_user_turn) and its turns."""
+    messages, nxt = _opening(pairs, raw.where, roles)
+    if not messages:
+        return None
+    turns = conversation_turns(messages[-1]["content"], _role_pairs(pairs[nxt:], raw.where, roles))
+    return Prompt(key or raw.key, messages, _category(raw.data), turns)
 
 
 def _require_list(row: dict, column: str, where: str) -> list:
@@ -143,47 +231,70 @@ def _category(row: dict) -> str | None:
 def map_sharegpt(raw: RawRow) -> Prompt | None:
     turns = _require_list(raw.data, "conversations", raw.where)
     pairs = [(t.get("from"), t.get("value")) if isinstance(t, dict) else (None, None) for t in turns]
-    messages = first_user_turn(pairs, raw.where, SHAREGPT_ROLES)
-    return messages and Prompt(raw.key, messages, _category(raw.data))
+    return map_conversation(raw, pairs, SHAREGPT_ROLES)
 
 
 def map_messages(raw: RawRow) -> Prompt | None:
     turns = _require_list(raw.data, "messages", raw.where)
     pairs = [(t.get("role"), t.get("content")) if isinstance(t, dict) else (None, None) for t in turns]
-    messages = first_user_turn(pairs, raw.where, OPENAI_ROLES)
-    return messages and Prompt(raw.key, messages, _category(raw.data))
+    return map_conversation(raw, pairs, OPENAI_ROLES)
+
+
+# Columns of the `prompt` format that hold the source's own answer (TRL's prompt-completion
+# layout; `response` as in Dolly-style sets): a string, or a list of assistant messages.
+ANSWER_COLUMNS = ("completion", "response")
+
+
+def _answer_pairs(data: dict) -> list[tuple[Any, Any]]:
+    answer = next((data[c] for c in ANSWER_COLUMNS if data.get(c) is not None), None)
+    if isinstance(answer, list):
+        return [(t.get("role"), t.get("content")) if isinstance(t, dict) else (None, None) for t in answer]
+    return [("assistant", answer)] if isinstance(answer, str) else []
 
 
 def map_prompt(raw: RawRow) -> Prompt | None:
     prompt = raw.data.get("prompt")
     if isinstance(prompt, list):  # some sets store the prompt itself as a message list
-        return map_messages(RawRow(raw.key, raw.where, {**raw.data, "messages": prompt}))
+        pairs = [(t.get("role"), t.get("content")) if isinstance(t, dict) else (None, None) for t in prompt]
+        return map_conversation(raw, pairs + _answer_pairs(raw.data), OPENAI_ROLES)
     if prompt is None:
         raise PipelineError(f"{raw.where}: no user turn ('prompt' is empty); fix or remove the row")
-    pairs = [("system", raw.data.get("system")), ("user", prompt)]
-    messages = first_user_turn(pairs, raw.where, OPENAI_ROLES)
-    return messages and Prompt(raw.key, messages, _category(raw.data))
+    pairs = [("system", raw.data.get("system")), ("user", prompt)] + _answer_pairs(raw.data)
+    return map_conversation(raw, pairs, OPENAI_ROLES)
 
 
 def map_mtbench(raw: RawRow) -> Prompt | None:
     turns = _require_list(raw.data, "turns", raw.where)
     if not turns:
         raise PipelineError(f"{raw.where}: no user turn ('turns' is empty); fix or remove the row")
-    messages = first_user_turn([("user", turns[0])], raw.where, OPENAI_ROLES)
     qid = raw.data.get("question_id")
-    return messages and Prompt(str(qid) if qid is not None else raw.key, messages, _category(raw.data))
+    # MT-Bench's questions are all user turns: no answers.
+    return map_conversation(raw, [("user", t) for t in turns], OPENAI_ROLES,
+                            key=str(qid) if qid is not None else None)
 
 
 def map_chitchat(raw: RawRow) -> Prompt | None:
     """BYU chitchat: `messages` is a list of turns, each a list of {text, sender} from one
-    speaker; the prompt is the first turn (its messages joined by newlines)."""
+    speaker (joined by newlines). Two people chat: whoever opens is the user, the other one
+    the assistant (turns without senders alternate)."""
     turns = _require_list(raw.data, "messages", raw.where)
     if not turns or not isinstance(turns[0], list):
         raise PipelineError(f"{raw.where}: no user turn (the conversation has no first message); "
                             f"fix or remove the row")
-    text = "\n".join(m.get("text") or "" for m in turns[0] if isinstance(m, dict))
-    messages = first_user_turn([("user", text)], raw.where, OPENAI_ROLES)
-    return messages and Prompt(raw.key, messages, _category(raw.data))
+    pairs = []
+    opener = _sender(turns[0])
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, list):
+            break
+        sender = _sender(turn)
+        is_user = sender == opener if opener is not None and sender is not None else i % 2 == 0
+        pairs.append(("user" if is_user else "assistant",
+                      "\n".join(m.get("text") or "" for m in turn if isinstance(m, dict))))
+    return map_conversation(raw, pairs, OPENAI_ROLES)
+
+
+def _sender(turn: list) -> Any:
+    return next((m.get("sender") for m in turn if isinstance(m, dict) and m.get("sender") is not None), None)
 
 
 FORMATS: dict[str, Callable[[RawRow], Prompt | None]] = {
@@ -335,43 +446,56 @@ def _looks_like_chitchat(data: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# Dedup, split, cap
+# Dedup, split, cap, mix
 # ---------------------------------------------------------------------------------------
 
-def dedupe(prompts: list[Prompt], counts: Counts) -> list[Prompt]:
-    """Drop exact duplicates (same messages); the first occurrence in source order stays."""
-    seen, out = set(), []
+def prompt_key(p: Prompt) -> str:
+    """What makes two prompts duplicates: the opening (system + first user turn), the request
+    `generation.turns: first` sends, so no prompt is ever answered and trained on twice."""
+    return json.dumps(p.messages, sort_keys=True, ensure_ascii=False)
+
+
+def dedupe(prompts: list[Prompt], counts: Counts, seen: dict[str, str] | None = None,
+           label: str = "") -> list[Prompt]:
+    """Drop exact duplicates (same messages); the first occurrence in source order stays.
+    `seen` (key -> label) carries the keys of sources loaded before: a prompt already in an
+    earlier source of a mix is counted as `duplicates_across_sources`."""
+    seen = {} if seen is None else seen
+    out = []
     for p in prompts:
-        key = json.dumps(p.messages, sort_keys=True, ensure_ascii=False)
+        key = prompt_key(p)
         if key in seen:
-            counts.duplicates_dropped += 1
+            if seen[key] == label:
+                counts.duplicates_dropped += 1
+            else:
+                counts.extra["duplicates_across_sources"] = counts.extra.get("duplicates_across_sources", 0) + 1
             continue
-        seen.add(key)
+        seen[key] = label
         out.append(p)
     return out
 
 
-def holdout(prompts: list[Prompt], fraction: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+def holdout(prompts: list[Prompt], fraction: float, seed: int, tag: str = "") -> tuple[list[Prompt], list[Prompt]]:
     """(train, eval): eval = `fraction` of the rows chosen by seed, train = exactly the rest."""
     if len(prompts) < 2:
         raise PipelineError(f"prompts.eval_fraction: the training source has {len(prompts)} usable prompt(s); "
                             f"holding out an eval set needs at least 2. Set prompts.eval.source instead")
     n_eval = min(len(prompts) - 1, max(1, round(len(prompts) * fraction)))
     order = list(range(len(prompts)))
-    random.Random(f"{seed}:holdout").shuffle(order)
+    random.Random(f"{seed}:holdout{tag}").shuffle(order)
     eval_idx = set(order[:n_eval])
     return ([p for i, p in enumerate(prompts) if i not in eval_idx],
             [p for i, p in enumerate(prompts) if i in eval_idx])
 
 
-def cap(prompts: list[Prompt], num_samples: int | None, seed: int, split: str) -> list[Prompt]:
+def cap(prompts: list[Prompt], num_samples: int | None, seed: int, split: str, tag: str = "") -> list[Prompt]:
     """Shuffle by seed, take the first num_samples (all when null). The shuffled order is kept:
     later stages take prefixes (validation split, verify.num_prompts) and should see a mix."""
     shuffled = list(prompts)
-    random.Random(f"{seed}:{split}:cap").shuffle(shuffled)
+    random.Random(f"{seed}:{split}:cap{tag}").shuffle(shuffled)
     if num_samples is not None and num_samples > len(shuffled):
         print(f"note: prompts.{split}.num_samples = {num_samples} but only {len(shuffled)} prompts are "
-              f"available; using all of them", flush=True)
+              f"available{' from ' + tag[1:] if tag else ''}; using all of them", flush=True)
     return shuffled if num_samples is None else shuffled[:num_samples]
 
 
@@ -384,77 +508,195 @@ def eval_held_out(settings: dict) -> bool:
     return not (settings.get("eval") or {}).get("source")
 
 
-def split_spec(settings: dict, split: str) -> SourceSpec:
-    """The source a split is loaded from: its own, or the training source when held out."""
+def split_specs(settings: dict, split: str) -> list[SourceSpec]:
+    """The source(s) a split is loaded from: its own, or the training sources when held out."""
     held_out = eval_held_out(settings)
-    return SourceSpec.from_settings(settings, "train" if split == "train" or held_out else "eval")
+    return SourceSpec.all_from_settings(settings, "train" if split == "train" or held_out else "eval")
 
 
 HELD_OUT_CATEGORY = "held-out"
 
 
-def split_tail(prompts: list[Prompt], n: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+def split_tail(prompts: list[Prompt], n: int, seed: int, tag: str = "",
+               setting: str = "prompts.eval_held_out_samples") -> tuple[list[Prompt], list[Prompt]]:
     """(rest, held): the last n of the training split's own seeded order are held out, so the
     first num_samples (what cap() keeps) do not change while the source has spare rows."""
-    if n >= len(prompts):
-        raise PipelineError(f"prompts.eval_held_out_samples = {n}: the training source has only {len(prompts)} "
-                            f"usable prompt(s) and training needs some; lower it")
-    order = cap(prompts, None, seed, "train")
-    return order[:-n], order[-n:]
+    if n >= len(prompts) and n:
+        share = f"{setting}: {n} of them from {tag[1:]}" if tag else f"{setting} = {n}"
+        raise PipelineError(f"{share}: the training source has only {len(prompts)} usable prompt(s) and "
+                            f"training needs some; lower it")
+    order = cap(prompts, None, seed, "train", tag)
+    return (order[:-n], order[-n:]) if n else (order, [])
 
 
-def load_split_source(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Prompt], dict]:
-    label, fmt, prompts, record = load_prompts(spec, counts)
-    return label, fmt, dedupe(prompts, counts), record
+@dataclass
+class Source:
+    """One loaded source of a split: its prompts (de-duplicated, in source order) and counts."""
+    spec: SourceSpec
+    label: str
+    format: str
+    prompts: list[Prompt]
+    record: dict[str, Any]
+    counts: Counts
+    tag: str  # seed suffix: "" for a lone source (its rows as before mixes existed), ":label" in a mix
 
 
-def rows_of(prompts: list[Prompt], label: str, category: str | None = None) -> list[dict]:
-    return [{"id": f"{label}:{p.key}", "messages": p.messages, "category": category or p.category,
-             "source": label} for p in prompts]
+def load_sources(specs: list[SourceSpec]) -> list[Source]:
+    seen: dict[str, str] = {}
+    sources: list[Source] = []
+    for spec in specs:
+        counts = Counts()
+        label, fmt, prompts, record = load_prompts(spec, counts)
+        clash = next((s for s in sources if s.label == label), None)
+        if clash:
+            raise PipelineError(f"{spec.setting}.source = {spec.source} and {clash.spec.setting}.source = "
+                                f"{clash.spec.source} have the same label {label!r} (row ids are label:key, so "
+                                f"they would collide); merge them into one file or rename one")
+        for p in prompts:
+            p.label = label
+        if spec.answered_only:
+            # Before de-duplication: of two conversations with one opening, the answered one stays.
+            kept = [p for p in prompts if p.turns and p.turns[0]["assistant"] is not None]
+            counts.extra["unanswered_dropped"] = len(prompts) - len(kept)
+            prompts = kept
+        prompts = dedupe(prompts, counts, seen, label)
+        sources.append(Source(spec, label, fmt, prompts, {**record, "label": label}, counts,
+                              "" if len(specs) == 1 else f":{label}"))
+    return sources
+
+
+def held_out_shares(n: int, sources: list[Source]) -> list[int]:
+    """n split over the sources in proportion to their weights (largest remainder)."""
+    total = sum(s.spec.weight for s in sources)
+    exact = [n * s.spec.weight / total for s in sources]
+    shares = [int(x) for x in exact]
+    for i in sorted(range(len(sources)), key=lambda i: exact[i] - shares[i], reverse=True)[:n - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def interleave(parts: list[list[Prompt]], weights: list[float], seed: int) -> list[Prompt]:
+    """The mix's order: a seeded draw from the sources weighted by `weight`, every row exactly
+    once (datasets.interleave_datasets, all_exhausted_without_replacement)."""
+    nonempty = [(rows, w) for rows, w in zip(parts, weights) if rows]
+    if len(nonempty) <= 1:
+        return [p for rows, _ in nonempty for p in rows]
+    import datasets
+
+    datasets.disable_progress_bars()
+    tables = [datasets.Dataset.from_dict({"part": [i] * len(rows), "row": list(range(len(rows)))})
+              for i, (rows, _) in enumerate(nonempty)]
+    total = sum(w for _, w in nonempty)
+    mixed = datasets.interleave_datasets(tables, probabilities=[w / total for _, w in nonempty], seed=seed,
+                                         stopping_strategy="all_exhausted_without_replacement")
+    return [nonempty[i][0][j] for i, j in zip(mixed["part"], mixed["row"])]
+
+
+def rows_of(prompts: list[Prompt], category: str | None = None, with_turns: bool = False) -> list[dict]:
+    """Prompt rows (docs/artifacts.md). `turns` only on training rows: acceptance measures first turns."""
+    rows = []
+    for p in prompts:
+        row = {"id": f"{p.label}:{p.key}", "messages": p.messages, "category": category or p.category,
+               "source": p.label}
+        if with_turns and p.turns:
+            row["turns"] = p.turns
+        rows.append(row)
+    return rows
+
+
+def source_summary(s: Source, selected: list[Prompt]) -> dict[str, Any]:
+    ids = {id(p) for p in selected}
+    return {"setting": s.spec.setting, **s.record, "weight": s.spec.weight, "num_samples": s.spec.num_samples,
+            "loaded": s.counts.loaded, "empty_dropped": s.counts.empty_dropped,
+            "duplicates_dropped": s.counts.duplicates_dropped, **s.counts.extra,
+            "with_later_turns": sum(bool(p.turns) and len(p.turns) > 1 for p in s.prompts),
+            "with_answers": sum(bool(p.turns) and p.turns[0]["assistant"] is not None for p in s.prompts),
+            "selected": sum(id(p) in ids for p in s.prompts)}
 
 
 def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]:
     seed = int(settings.get("seed", 0))
     held_out = eval_held_out(settings)
     add_held = 0 if held_out else int(settings.get("eval_held_out_samples") or 0)
-    spec = split_spec(settings, split)
-    counts = Counts()
-    label, fmt, prompts, record = load_split_source(spec, counts)
+    sources = load_sources(split_specs(settings, split))
     if held_out:
         fraction = float(settings.get("eval_fraction", 0.1))
-        train, evals = holdout(prompts, fraction, seed)
-        counts.extra["held_out_for_eval"] = len(evals)
-        prompts = train if split == "train" else evals
+        for s in sources:
+            train, evals = holdout(s.prompts, fraction, seed, s.tag)
+            s.counts.extra["held_out_for_eval"] = len(evals)
+            s.prompts = train if split == "train" else evals
     elif add_held and split == "train":
-        prompts, held = split_tail(prompts, add_held, seed)
-        counts.extra["held_out_for_eval"] = len(held)
-    num_samples = (settings.get(split) or {}).get("num_samples")
-    counts.extra["available"] = len(prompts)
-    if add_held and split == "train":
-        chosen = prompts[:num_samples] if num_samples else prompts  # already in the seeded order
+        for s, n in zip(sources, held_out_shares(add_held, sources)):
+            s.prompts, held = split_tail(s.prompts, n, seed, s.tag)  # the rest, in the seeded order
+            s.counts.extra["held_out_for_eval"] = len(held)
+    for s in sources:
+        s.counts.extra["available"] = len(s.prompts)
+    if split == "train":
+        # Already in the seeded order when held-out rows were taken from its tail.
+        parts = [s.prompts[:s.spec.num_samples] if add_held else cap(s.prompts, s.spec.num_samples, seed, split, s.tag)
+                 for s in sources]
+        chosen = interleave(parts, [s.spec.weight for s in sources], seed)
+        total = settings.get("mix_num_samples")
+        if total is not None and total < len(chosen):
+            chosen = chosen[:total]
     else:
-        chosen = cap(prompts, num_samples, seed, split)
+        pool = [p for s in sources for p in s.prompts]
+        chosen = cap(pool, (settings.get(split) or {}).get("num_samples"), seed, split)
     if not chosen:
-        raise PipelineError(f"{spec.setting}.source = {spec.source}: the {split} prompt set is empty after "
-                            f"filtering ({counts.loaded} rows loaded, {counts.empty_dropped} empty, "
-                            f"{counts.duplicates_dropped} duplicates"
-                            + (f", {counts.extra.get('held_out_for_eval', 0)} held out for eval" if held_out else "")
-                            + "); point it at a larger prompt set")
-    rows = rows_of(chosen, label)
+        def why(s: Source) -> str:
+            return (f"{s.counts.loaded} rows loaded, {s.counts.empty_dropped} empty, "
+                    f"{s.counts.duplicates_dropped} duplicates"
+                    + (f", {s.counts.extra.get('unanswered_dropped', 0)} without an answer (answered_only)"
+                       if s.spec.answered_only else "")
+                    + (f", {s.counts.extra.get('duplicates_across_sources', 0)} already in an earlier source"
+                       if len(sources) > 1 else "")
+                    + (f", {s.counts.extra.get('held_out_for_eval', 0)} held out for eval" if held_out else ""))
+
+        where = "; ".join(f"{s.spec.setting}.source = {s.spec.source}" for s in sources)
+        raise PipelineError(f"{where}: the {split} prompt set is empty after filtering ("
+                            + "; ".join(why(s) for s in sources) + "); point it at a larger prompt set")
+    rows = rows_of(chosen, with_turns=split == "train")
+    per_source = [source_summary(s, chosen) for s in sources]
+    record: Any = sources[0].record if len(sources) == 1 else [s.record for s in sources]
     if add_held and split == "eval":
         # The same held-out rows the train split excluded, mixed in so that prefixes
         # (verify.num_prompts, concurrency_one_prompts) see both kinds.
-        train_label, _, train_prompts, train_record = load_split_source(SourceSpec.from_settings(settings, "train"),
-                                                                        Counts())
-        held = split_tail(train_prompts, add_held, seed)[1]
-        rows += rows_of(held, train_label, HELD_OUT_CATEGORY)
+        train_sources = load_sources(SourceSpec.all_from_settings(settings, "train"))
+        held = [p for s, n in zip(train_sources, held_out_shares(add_held, train_sources))
+                for p in split_tail(s.prompts, n, seed, s.tag)[1]]
+        rows += rows_of(held, HELD_OUT_CATEGORY)
         random.Random(f"{seed}:eval:mix").shuffle(rows)
-        counts.extra["held_out_added"] = len(held)
-        record = {**record, "held_out_from": train_record}
+        record = {**record, "held_out_from": train_sources[0].record} if len(train_sources) == 1 \
+            else {"eval": record, "held_out_from": [s.record for s in train_sources]}
+        per_source[0]["held_out_added"] = len(held)
+    totals = {k: sum(src.get(k, 0) for src in per_source)
+              for k in ("loaded", "empty_dropped", "duplicates_dropped")}
+    extra = {k: sum(src.get(k, 0) for src in per_source)
+             for k in ("unanswered_dropped", "duplicates_across_sources", "held_out_for_eval", "available",
+                       "held_out_added")
+             if any(k in src for src in per_source)}
+    fmt = sources[0].format if len(sources) == 1 else [s.format for s in sources]
+    label = sources[0].label if len(sources) == 1 else [s.label for s in sources]
     summary = {"split": split, "format": fmt, "label": label, "held_out": held_out, "input": record,
-               "loaded": counts.loaded, "empty_dropped": counts.empty_dropped,
-               "duplicates_dropped": counts.duplicates_dropped, **counts.extra, "written": len(rows)}
+               **totals, **extra, "written": len(rows), "sources": per_source}
+    if split == "train":
+        summary["with_later_turns"] = sum("turns" in r and len(r["turns"]) > 1 for r in rows)
+        summary["with_answers"] = sum("turns" in r and r["turns"][0]["assistant"] is not None for r in rows)
     return rows, summary
+
+
+def input_files(summary: dict) -> dict[str, str]:
+    """Provenance inputs: each local source file (`source`, or `source_<i>` in a mix)."""
+    def files(record: Any, name: str) -> dict[str, str]:
+        if isinstance(record, list):
+            return {f"{name}_{i}": r["path"] for i, r in enumerate(record) if r.get("path")}
+        return {name: record["path"]} if record.get("path") else {}
+
+    record = summary["input"]
+    if isinstance(record, dict) and "held_out_from" in record:
+        own = record.get("eval", {k: v for k, v in record.items() if k != "held_out_from"})
+        return {**files(own, "source"), **files(record["held_out_from"], "held_out_source")}
+    return files(record, "source")
 
 
 def main() -> None:
@@ -465,21 +707,27 @@ def main() -> None:
     args = p.parse_args()
     settings = args.settings
     # Hub datasets need the hub; everything else stays offline (set before `datasets` loads).
-    runtime.setup(offline=not _maybe_hub(split_spec(settings, args.split).source))
+    runtime.setup(offline=not any(_maybe_hub(s.source) for s in split_specs(settings, args.split)))
     prov = Provenance(f"prompts_{args.split}", settings)
 
     rows, summary = build_split(settings, args.split)
     atomic_write_jsonl(args.out, rows)
-    inputs = {"source": summary["input"]["path"]} if summary["input"].get("path") else {}
-    if (summary["input"].get("held_out_from") or {}).get("path"):
-        inputs["held_out_source"] = summary["input"]["held_out_from"]["path"]
-    prov.write(args.provenance, inputs=inputs, outputs={"prompts": args.out}, counts=summary)
+    prov.write(args.provenance, inputs=input_files(summary), outputs={"prompts": args.out}, counts=summary)
     print(f"prompts {args.split}: {len(rows)} written to {args.out} (format {summary['format']}, "
           f"{summary['loaded']} loaded, {summary['empty_dropped']} empty, "
           f"{summary['duplicates_dropped']} duplicates"
+          + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
+             if "unanswered_dropped" in summary else "")
+          + (f", {summary['duplicates_across_sources']} already in an earlier source"
+             if "duplicates_across_sources" in summary else "")
           + (f", {summary['held_out_for_eval']} held out for eval" if "held_out_for_eval" in summary else "")
           + (f", {summary['held_out_added']} held-out training prompts added" if "held_out_added" in summary else "")
+          + (f"; {summary['with_later_turns']} with later user turns, {summary['with_answers']} with the "
+             f"source's own answers" if "with_later_turns" in summary else "")
           + ")", flush=True)
+    for src in summary["sources"] if len(summary["sources"]) > 1 else []:
+        print(f"  {src['setting']}: {src['source']} (weight {src['weight']}): {src['selected']} of "
+              f"{src['available']} available", flush=True)
 
 
 def _maybe_hub(source: str) -> bool:

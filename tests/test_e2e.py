@@ -55,6 +55,13 @@ def test_traces_are_the_targets_reasoning_and_answer_split_by_vllms_parser(e2e):
     stats = json.loads((r / "tokenized/stats.json").read_text())
     assert stats["rows_with_reasoning"] == stats["input_rows"] == len(traces)
     assert stats["reasoning_format"] == "template"
+    # generation.turns: first - the chitchat conversations' later user turns are counted as
+    # dropped (in the summary and the report), not lost silently.
+    later = sum(len(p.get("turns", [None])) - 1 for p in prompts)
+    assert later > 0 and summary["turns"] == "first" and summary["turns_dropped"] == later
+    assert summary["turns_total"] == len(prompts) + later and summary["turns_with_token_ids"] == summary["ok"]
+    report = (r / "drafts/default/report/report.md").read_text()
+    assert f"{summary['turns_dropped']} of {summary['turns_total']} dropped (later turns not asked)" in report
 
 
 def test_hidden_states_pair_with_tokenized_rows(e2e):

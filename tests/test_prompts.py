@@ -83,6 +83,40 @@ def test_demo_eval_is_mtbench_first_turns_plus_held_out_chitchat(demo):
     assert len({r["category"] for r in rows}) == 8
 
 
+def test_demo_rows_are_those_of_the_single_source_code(demo):
+    """A single source gives the rows it gave before mixes and conversation turns existed:
+    digests of the demo rows (without the new `turns` field) pinned from a run of the code
+    before that change (commit 8ece4d5)."""
+    from pipeline_lib.digests import json_digest
+
+    bare = [{k: v for k, v in r.items() if k != "turns"} for r in demo["train"]]
+    assert json_digest(bare) == "sha256:c719ccc0255aab958f8af27d20e88a3d5346240bd71a3ee122eef1e967f51eb5"
+    assert json_digest(demo["eval"]) == "sha256:f88d9595eab792f139d6b8b81890b063eb9f9f74c34e1fe3ef2d3e424c91fdb0"
+
+
+def test_chitchat_conversations_map_speakers_to_user_and_assistant(demo):
+    """Training rows keep the whole chitchat conversation: whoever opens is the user, the other
+    speaker the assistant (the source's own answers); eval rows are first turns only."""
+    data = json.loads(Path(resolve_asset(CHITCHAT)).read_text())
+    with_turns = [r for r in demo["train"] if "turns" in r]
+    assert 0 < len(with_turns) < len(demo["train"])  # single-message conversations carry none
+    for row in demo["train"]:
+        raw = data[row["id"].split(":", 1)[1]]["messages"]
+        assert len({m["sender"] for turn in raw[0::2] for m in turn}) == 1  # the speakers alternate
+        expected: list[dict] = []
+        for i, text in enumerate("\n".join(m["text"] for m in turn) for turn in raw):
+            if i % 2 == 0:
+                if not text.strip():
+                    break  # an empty user turn ends the conversation
+                expected.append({"user": text, "assistant": None})
+            elif text.strip():
+                expected[-1]["assistant"] = text
+        assert row.get("turns") == (expected if len(expected) > 1 or expected[0]["assistant"] else None), row["id"]
+        assert expected[0]["user"] == row["messages"][-1]["content"]
+    assert not any("turns" in r for r in demo["eval"])
+    assert demo["train_provenance"]["counts"]["with_answers"] == len(with_turns)
+
+
 def test_demo_provenance_counts(demo):
     counts = demo["train_provenance"]["counts"]
     assert counts["loaded"] == 7168 and counts["written"] == 384
@@ -147,6 +181,74 @@ def test_json_list_file(tmp_path):
     rows, summary = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "train")
     assert summary["format"] == "mtbench"
     assert sorted(r["id"] for r in rows) == ["mtbench:7", "mtbench:9"]
+
+
+def test_conversation_turns_and_answers(tmp_path):
+    src = write_jsonl(tmp_path / "conv.jsonl", [
+        {"conversations": [{"from": "gpt", "value": "Welcome!"}, {"from": "human", "value": "Q1"},
+                           {"from": "gpt", "value": "A1 part one"}, {"from": "gpt", "value": "part two"},
+                           {"from": "human", "value": "Q2"}, {"from": "human", "value": "Q3"},
+                           {"from": "gpt", "value": "A3"}, {"from": "tool", "value": "{}"},
+                           {"from": "human", "value": "never reached"}]},
+        {"conversations": [{"from": "human", "value": "only"}]},
+        {"conversations": [{"from": "human", "value": "answered once"}, {"from": "gpt", "value": "yes"},
+                           {"from": "human", "value": "   "}, {"from": "gpt", "value": "cut above"}]},
+    ])
+    rows, summary = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "train")
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["conv:0"]["messages"] == [{"role": "user", "content": "Q1"}]
+    assert by_id["conv:0"]["turns"] == [{"user": "Q1", "assistant": "A1 part one\npart two"},
+                                        {"user": "Q2", "assistant": None},  # two user turns in a row
+                                        {"user": "Q3", "assistant": "A3"}]  # cut at the tool message
+    assert "turns" not in by_id["conv:1"]  # one unanswered turn: the row is as before
+    assert by_id["conv:2"]["turns"] == [{"user": "answered once", "assistant": "yes"}]  # cut at the empty turn
+    assert (summary["with_later_turns"], summary["with_answers"]) == (1, 2)
+    evals, _ = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "eval")
+    assert not any("turns" in r for r in evals)  # acceptance measures first turns
+
+    mt = write_jsonl(tmp_path / "mt.jsonl", [{"question_id": 1, "category": "x", "turns": ["first", "second"]}])
+    rows, _ = prepare_prompts.build_split(settings_for(mt, eval_source=str(mt)), "train")
+    assert rows[0]["turns"] == [{"user": "first", "assistant": None}, {"user": "second", "assistant": None}]
+
+    # The source's own answers in a `completion` (TRL's prompt-completion layout) or `response` column.
+    answers = write_jsonl(tmp_path / "pc.jsonl", [
+        {"prompt": "2+2?", "completion": "4"}, {"prompt": "Name a colour.", "response": "Red."},
+        {"prompt": "no answer"}])
+    rows, _ = prepare_prompts.build_split(settings_for(answers, eval_source=str(answers)), "train")
+    assert {r["id"]: r.get("turns") for r in rows} == {
+        "pc:0": [{"user": "2+2?", "assistant": "4"}], "pc:1": [{"user": "Name a colour.", "assistant": "Red."}],
+        "pc:2": None}
+    chat = write_jsonl(tmp_path / "trl.jsonl", [
+        {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Hello"}]}])
+    rows, _ = prepare_prompts.build_split(settings_for(chat, "prompt", eval_source=str(chat)), "train")
+    assert rows[0]["turns"] == [{"user": "Hi", "assistant": "Hello"}]
+
+
+def test_answered_only_keeps_conversations_with_the_sources_answer(tmp_path):
+    """answered_only: the rows a target-vs-dataset comparison trains both variants on. It
+    filters before de-duplication, so an answered copy of an unanswered opening survives."""
+    src = write_jsonl(tmp_path / "qa.jsonl", [
+        {"prompt": "same opening"}, {"prompt": "same opening", "response": "answered copy"},
+        {"prompt": "lonely"}, {"prompt": "2+2?", "completion": "4"},
+        *({"prompt": f"q{i}", "response": f"a{i}"} for i in range(6))])
+    settings = settings_for(src, eval_source=str(src), num_samples=5)
+    settings["train"]["answered_only"] = True
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert len(rows) == 5 and all(r["turns"][0]["assistant"] for r in rows)
+    everything, _ = prepare_prompts.build_split({**settings, "train": {**settings["train"], "num_samples": None}},
+                                                "train")
+    assert {r["id"] for r in everything} == {"qa:1", "qa:3", *(f"qa:{i}" for i in range(4, 10))}
+    assert (summary["unanswered_dropped"], summary["duplicates_dropped"], summary["sources"][0]["available"]) == (2, 0, 8)
+    # Off (the default): the same file gives every opening once, the unanswered first copy kept.
+    rows, summary = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "train")
+    assert {r["id"] for r in rows} >= {"qa:0", "qa:2"} and "qa:1" not in {r["id"] for r in rows}
+    assert "unanswered_dropped" not in summary and summary["duplicates_dropped"] == 1
+    with pytest.raises(PipelineError, match=r"prompts.train.answered_only = 'yes'"):
+        prepare_prompts.build_split({**settings, "train": {**settings["train"], "answered_only": "yes"}}, "train")
+    mt = write_jsonl(tmp_path / "mt.jsonl", [{"question_id": 1, "category": "x", "turns": ["first", "second"]}])
+    with pytest.raises(PipelineError, match=r"1 without an answer \(answered_only\)"):
+        prepare_prompts.build_split(settings_for(mt, eval_source=str(mt)) | {
+            "train": {"source": str(mt), "format": "mtbench", "answered_only": True}}, "train")
 
 
 # --------------------------------------------------------------------------------------
@@ -218,6 +320,140 @@ def test_held_out_samples_join_an_eval_source(forty, tmp_path):
     assert sorted(user_texts(train + held)) == sorted(f"question number {i}" for i in range(40))
     with pytest.raises(PipelineError, match="eval_held_out_samples = 40: the training source has only 40"):
         prepare_prompts.build_split({**whole, "eval_held_out_samples": 40}, "train")
+
+
+# --------------------------------------------------------------------------------------
+# Mixes
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def three(tmp_path) -> list[Path]:
+    """chat: 40 prompts; code: 20 (5 of them also in chat, 2 repeated); math: 12."""
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": f"chat {i}"} for i in range(40)])
+    code = write_jsonl(tmp_path / "code.jsonl", [{"prompt": f"code {i}"} for i in range(15)]
+                       + [{"prompt": f"chat {i}"} for i in range(5)] + [{"prompt": "code 0"}, {"prompt": "code 1"}])
+    math = write_jsonl(tmp_path / "math.jsonl", [{"prompt": f"math {i}", "category": "math"} for i in range(12)])
+    return [chat, code, math]
+
+
+def mix_settings(sources: list[dict], eval_source=None, **extra) -> dict:
+    return {"train": sources, "eval": {"source": eval_source, "format": "auto", "num_samples": None},
+            "eval_fraction": 0.25, "seed": 0, **extra}
+
+
+def by_source(rows: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r["source"]] = out.get(r["source"], 0) + 1
+    return out
+
+
+def test_mix_caps_dedup_across_sources_and_provenance(three, tmp_path):
+    chat, code, math = three
+    other = write_jsonl(tmp_path / "other.jsonl", [{"prompt": "eval only"}])
+    settings = mix_settings([{"source": str(chat), "num_samples": 30}, {"source": str(code), "num_samples": 10},
+                             {"source": str(math), "weight": 2.0}], eval_source=str(other))
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert by_source(rows) == {"chat": 30, "code": 10, "math": 12}  # each source's own cap
+    assert len({json.dumps(r["messages"]) for r in rows}) == len(rows)
+    assert not any(r["source"] == "code" and r["messages"][-1]["content"].startswith("chat") for r in rows)
+    assert {r["id"].split(":")[0] for r in rows} == {"chat", "code", "math"}
+    assert all(r["category"] == "math" for r in rows if r["source"] == "math")
+    src = {s["label"]: s for s in summary["sources"]}
+    assert (src["code"]["duplicates_dropped"], src["code"]["duplicates_across_sources"]) == (2, 5)
+    assert (src["code"]["available"], src["code"]["selected"], src["code"]["num_samples"]) == (15, 10, 10)
+    assert (src["math"]["weight"], src["math"]["selected"], src["chat"]["selected"]) == (2.0, 12, 30)
+    assert src["chat"]["path"] == str(chat) and summary["written"] == 52 and summary["format"] == ["prompt"] * 3
+    assert prepare_prompts.input_files(summary) == {"source_0": str(chat), "source_1": str(code), "source_2": str(math)}
+    # Deterministic, and interleaved (not one source after the other).
+    assert prepare_prompts.build_split(settings, "train")[0] == rows
+    assert len({r["source"] for r in rows[:10]}) > 1
+
+
+def test_mix_weights_shape_the_order_and_the_total(three):
+    chat, code, math = three
+
+    def head(weights, total=12):
+        sources = [{"source": str(p), "weight": w} for p, w in zip((chat, code, math), weights)]
+        rows, _ = prepare_prompts.build_split(mix_settings(sources, str(chat), mix_num_samples=total), "train")
+        assert len(rows) == total
+        return by_source(rows)
+
+    # A seeded weighted draw: the heavy source fills most of the mix, whichever it is.
+    for heavy, weights in (("chat", [8, 1, 1]), ("code", [1, 8, 1]), ("math", [1, 1, 8])):
+        counts = head(weights)
+        assert counts[heavy] > 6 and all(counts[heavy] > n for src, n in counts.items() if src != heavy), counts
+    # The sources run out: the rest of the mix comes from the others.
+    everything = head([1, 1, 100], total=40)
+    assert everything["math"] == 12 and sum(everything.values()) == 40
+
+
+def test_single_source_as_a_list_is_the_same_split(forty):
+    mapping = settings_for(forty, num_samples=12)
+    as_list = {**mapping, "train": [{**mapping["train"], "weight": 3.0}]}
+    for split in ("train", "eval"):
+        assert prepare_prompts.build_split(as_list, split)[0] == prepare_prompts.build_split(mapping, split)[0]
+
+
+def test_mix_hold_outs_come_from_every_source(three, tmp_path):
+    chat, code, math = three
+    sources = [{"source": str(chat)}, {"source": str(code)}, {"source": str(math), "weight": 2.0}]
+    # eval.source null: eval_fraction of each source.
+    train, _ = prepare_prompts.build_split(mix_settings(sources), "train")
+    evals, e_sum = prepare_prompts.build_split(mix_settings(sources), "eval")
+    assert by_source(evals) == {"chat": 10, "code": 4, "math": 3}
+    assert not {r["id"] for r in train} & {r["id"] for r in evals} and len(train) + len(evals) == 40 + 15 + 12
+    # eval_held_out_samples: split over the sources by weight (1:1:2), out of training.
+    other = write_jsonl(tmp_path / "other.jsonl", [{"prompt": "eval only"}])
+    settings = mix_settings(sources, eval_source=str(other), eval_held_out_samples=8)
+    train, t_sum = prepare_prompts.build_split(settings, "train")
+    evals, e_sum = prepare_prompts.build_split(settings, "eval")
+    held = [r for r in evals if r["category"] == "held-out"]
+    assert by_source(held) == {"chat": 2, "code": 2, "math": 4} and e_sum["held_out_added"] == 8
+    assert not {r["id"] for r in held} & {r["id"] for r in train} and len(train) == 67 - 8
+    assert set(prepare_prompts.input_files(e_sum)) == {"source", "held_out_source_0", "held_out_source_1",
+                                                       "held_out_source_2"}
+
+
+def test_mix_errors_name_the_setting(three, tmp_path):
+    chat, code, _ = three
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    same_label = write_jsonl(twin / "chat.jsonl", [{"prompt": "x"}])
+    with pytest.raises(PipelineError, match=r"prompts\.train\[1\]\.source = .*twin/chat\.jsonl and "
+                                            r"prompts\.train\[0\]\.source = .* same label 'chat'"):
+        prepare_prompts.build_split(mix_settings([{"source": str(chat)}, {"source": str(same_label)}]), "train")
+    with pytest.raises(PipelineError, match=r"prompts\.train\[1\]\.weight = 0: must be a number > 0"):
+        prepare_prompts.build_split(mix_settings([{"source": str(chat)}, {"source": str(code), "weight": 0}]),
+                                    "train")
+    with pytest.raises(PipelineError, match=r"prompts\.eval is a list; only prompts\.train may be a mix"):
+        prepare_prompts.build_split({**mix_settings([{"source": str(chat)}]), "eval": [{"source": str(code)}],
+                                     "eval_held_out": False}, "eval")
+    with pytest.raises(PipelineError, match=r"prompts\.train\[1\]\.source = .*does not exist"):
+        prepare_prompts.build_split(mix_settings([{"source": str(chat)}, {"source": str(tmp_path / "no.jsonl")}]),
+                                    "train")
+
+
+def test_mix_through_the_rule(three, tmp_path, tiny_target):
+    """The prompts_train rule with a mix: each source file is an input of the rule and of the
+    provenance, which records every source."""
+    chat, code, math = three
+    config = base_test_config(tiny_target)
+    config["prompts"]["train"] = [{"source": str(chat), "num_samples": 5}, {"source": str(code), "weight": 2},
+                                  {"source": str(math), "format": "prompt", "num_samples": 3}]
+    config["prompts"]["mix_num_samples"] = 15
+    work = tmp_path / "work"
+    run_snakemake(work, config, "results/tiny/prompts/train.jsonl", timeout=600)
+    rows = [json.loads(line) for line in (work / "results/tiny/prompts/train.jsonl").read_text().splitlines()]
+    assert len(rows) == 15 and by_source(rows)["chat"] <= 5 and by_source(rows)["math"] <= 3
+    prov = json.loads((work / "results/tiny/prompts/train.provenance.json").read_text())
+    assert set(prov["inputs"]) == {"source_0", "source_1", "source_2"}
+    assert [s["label"] for s in prov["counts"]["sources"]] == ["chat", "code", "math"]
+    assert [s["weight"] for s in prov["counts"]["sources"]] == [1.0, 2, 1.0]
+    # An edited source file reruns the prompts (it is an input of the rule).
+    write_jsonl(math, [{"prompt": f"math {i}!"} for i in range(12)])
+    dry = run_snakemake(work, config, "results/tiny/prompts/train.jsonl", "-n")
+    assert "prompts_train" in dry.stdout
 
 
 # --------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def kept(real) -> list[tuple[dict, dict]]:
 # --------------------------------------------------------------------------------------
 
 def test_real_generations_cover_both_finish_reasons(real):
-    reasons = {r["finish_reason"] for r in real["rows"] if "generated_token_ids" in r}
+    reasons = {r["finish_reason"] for r in real["rows"] if "prompt_token_ids" in r}
     assert reasons == {"stop", "length"}, reasons
 
 
@@ -152,20 +152,42 @@ def test_mask_covers_exactly_the_assistant_text(real, tokenizer):
         assert (ids[-1].item() == eot) == (row["finish_reason"] == "stop"), row["id"]
 
 
-def test_mask_equals_generated_token_ids(real, tokenizer):
-    """Where the sampled tokens are the tokenizer's own encoding of their text (a random model
-    also samples non-canonical splits), the masked ids are exactly vLLM's output ids."""
-    canonical = 0
-    for row, item in kept(real):
-        gen = row.get("generated_token_ids")
-        if gen is None:
-            continue
-        body = gen[:-1] if row["finish_reason"] == "stop" else gen
-        if tokenizer(row["answer"], add_special_tokens=False)["input_ids"] != body:
-            continue
-        canonical += 1
-        assert item["input_ids"][item["loss_mask"] == 1].tolist() == gen, row["id"]
-    assert canonical >= 1
+def test_mask_is_exactly_the_emitted_token_ids(real, tokenizer):
+    """Rows with the target's token ids get exactly those ids in the loss, also where the random
+    target sampled a split of its text that re-encoding would not reproduce."""
+    spliced = [(row, item) for row, item in kept(real) if row.get("token_ids") is not None]
+    assert len(spliced) == 8 == real["stats"]["turns_spliced"]
+    noncanonical = 0
+    for row, item in spliced:
+        assert item["input_ids"][item["loss_mask"] == 1].tolist() == row["token_ids"], row["id"]
+        body = row["token_ids"][:-1] if row["finish_reason"] == "stop" else row["token_ids"]
+        noncanonical += tokenizer(row["answer"], add_special_tokens=False)["input_ids"] != body
+    assert real["stats"]["reencode_differs"] == noncanonical
+    # The planted rows without ids (the one cut before any text is re-encoded, then dropped as empty).
+    assert real["stats"]["turns_reencoded"] == len(kept(real)) - len(spliced) + real["stats"]["dropped_empty"]
+    assert real["stats"]["prompt_length_differs"] == 0  # tokenize renders the prompts vLLM saw
+
+
+def test_token_ids_are_spliced_where_re_encoding_differs(tokenizer):
+    """A planted answer whose ids are its characters one by one: re-encoding the text gives
+    other (merged) tokens; the row keeps the emitted ones and the stats count the difference."""
+    renderer = renderer_with(tokenizer)
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    text = "Fine, thanks."
+    canonical = tokenizer(text, add_special_tokens=False)["input_ids"]
+    by_char = [i for c in text for i in tokenizer(c, add_special_tokens=False)["input_ids"]]
+    assert by_char != canonical and tokenizer.decode(by_char) == text
+    for ids, differs in ((by_char, 1), (canonical, 0)):
+        counts = tokenize_traces.Counts()
+        row = trace(0, PROMPTS[0], text, token_ids=ids + [eot])
+        [(input_ids, mask)] = renderer.encode(tokenize_traces.TraceRow.parse(row, "traces.jsonl:1"), counts)
+        assert [t for t, m in zip(input_ids, mask) if m] == ids + [eot]
+        assert (counts.turns_spliced, counts.turns_reencoded, counts.reencode_differs) == (1, 0, differs)
+    # Without ids the text is re-encoded (the prompt set's own answers): canonical tokens.
+    counts = tokenize_traces.Counts()
+    [(input_ids, mask)] = renderer.encode(tokenize_traces.TraceRow.parse(trace(0, PROMPTS[0], text), "t:1"), counts)
+    assert [t for t, m in zip(input_ids, mask) if m] == canonical + [eot]
+    assert (counts.turns_spliced, counts.turns_reencoded, counts.roundtrip_differs) == (0, 1, 0)
 
 
 def test_reasoning_goes_through_the_template_field(real, tokenizer):
@@ -229,7 +251,8 @@ def renderer_with(tokenizer, template: str | None = None):
 
 
 def encode(renderer, row) -> tuple[list[int], list[int]]:
-    return renderer.encode(tokenize_traces.TraceRow.parse(row, "traces.jsonl:1"))
+    [piece] = renderer.encode(tokenize_traces.TraceRow.parse(row, "traces.jsonl:1"))  # one turn: one row
+    return piece
 
 
 def test_inline_reasoning_when_template_ignores_the_field(tokenizer):

@@ -1,9 +1,11 @@
 """Stage 3 (traces): the tiny target answers prompts through real vLLM (offline, and as an
-OpenAI-compatible server) and real transformers; sharding, row cache, resume and gather.
+OpenAI-compatible server) and real transformers; sharding, row cache, resume and gather. The
+runs answer every user turn (generation.turns: all): prompt chat:1 is a 3-turn conversation,
+so every backend also answers later turns with its own earlier answers in context.
 
 The expensive runs happen once each, in module fixtures, and several tests inspect them:
   hf_runs      transformers: shard 1 of 2 from scratch, then the same shard again after its
-               cache was cut to 2 rows plus a torn line (a job killed mid-append)
+               cache was cut after turn 2 of chat:1 plus a torn line (a job killed mid-append)
   vllm_runs    one offline vLLM engine run (shard 0 of 1), then shards 0 and 1 of 2 from the
                row cache alone, then gather
   server_runs  a real `vllm.entrypoints.openai.api_server` on 127.0.0.1 (stopped by pid
@@ -29,14 +31,18 @@ from conftest import PY, REPO, run_script
 
 MAX_TOKENS = 16
 SETTINGS = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0, "seed": 0,
-            "reasoning_parser": "deepseek_r1", "batch_size": 4, "retries": 1, "request_timeout_s": 120}
+            "reasoning_parser": "deepseek_r1", "batch_size": 4, "retries": 1, "request_timeout_s": 120,
+            "turns": "all"}
 QUESTIONS = ["What is your favourite food?", "Tell me about your weekend.", "How do I boil an egg?",
              "word " * 2100,  # longer than the tiny target's 2048-token context: rejected by every backend
              "Do you like dogs or cats?", "What's the weather like today?", "Can you recommend a book?",
              "Where did you grow up?", "What music do you listen to?"]
 LONG = "chat:3"
-ROW_FIELDS = {"id", "messages", "reasoning", "answer", "finish_reason", "error", "prompt_tokens",
-              "completion_tokens", "sampling", "backend", "category"}
+MULTI = "chat:1"  # three user turns (with the source's answers, which generation ignores)
+LATER_USERS = ["Where did you go?", "Who came along?"]
+TURN_FIELDS = {"reasoning", "answer", "finish_reason", "error", "prompt_tokens", "completion_tokens", "token_ids"}
+ROW_FIELDS = {"id", "messages", *TURN_FIELDS, "later_turns", "turns_total", "turns_dropped", "sampling", "backend",
+              "category"}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -47,11 +53,23 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
-    """A prompts file (one prompt with a system turn, one over-long) and a target manifest."""
+def write_manifest(target: Path, path: Path) -> Path:
+    """The target manifest's digests the traces stage keys its cache on."""
     from pipeline_lib.digests import file_digest, json_digest, text_digest
 
+    path.write_text(json.dumps({
+        "weights_digest": json_digest(sorted((p.name, file_digest(p)) for p in target.glob("*.safetensors"))),
+        "tokenizer_digest": file_digest(target / "tokenizer.json"),
+        "chat_template_digest": text_digest((target / "chat_template.jinja").read_text()),
+        "dtype": "bfloat16",
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
+    """A prompts file (one prompt with a system turn, one over-long, one 3-turn conversation)
+    and a target manifest."""
     d = tmp_path_factory.mktemp("traces")
     prompts = []
     for i, q in enumerate(QUESTIONS):
@@ -59,14 +77,12 @@ def inputs(tiny_target, tmp_path_factory) -> SimpleNamespace:
         if i == 2:
             messages.insert(0, {"role": "system", "content": "You answer in one sentence."})
         prompts.append({"id": f"chat:{i}", "messages": messages, "category": "chitchat", "source": "test"})
+        if prompts[-1]["id"] == MULTI:
+            prompts[-1]["turns"] = [{"user": q, "assistant": "I went hiking."},
+                                    {"user": LATER_USERS[0], "assistant": "To the lake."},
+                                    {"user": LATER_USERS[1], "assistant": None}]
     write_jsonl(d / "train.jsonl", prompts)
-    manifest = {
-        "weights_digest": json_digest(sorted((p.name, file_digest(p)) for p in tiny_target.glob("*.safetensors"))),
-        "tokenizer_digest": file_digest(tiny_target / "tokenizer.json"),
-        "chat_template_digest": text_digest((tiny_target / "chat_template.jinja").read_text()),
-        "dtype": "bfloat16",
-    }
-    (d / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(tiny_target, d / "manifest.json")
     return SimpleNamespace(dir=d, target=tiny_target, prompts=d / "train.jsonl", manifest=d / "manifest.json",
                            ids=[p["id"] for p in prompts], messages={p["id"]: p["messages"] for p in prompts})
 
@@ -97,18 +113,29 @@ def check_row_format(row: dict, backend: str, messages: dict) -> None:
     assert row["messages"] == messages[row["id"]]
     assert row["category"] == "chitchat"
     assert row["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": MAX_TOKENS, "seed": 0}
-    assert row["finish_reason"] in ("stop", "length", "error")
     if row["id"] == LONG:
         assert row["finish_reason"] == "error" and row["error"]
         assert "2048" in row["error"], row["error"]  # names the context limit it broke
         assert row["completion_tokens"] == 0 and row["answer"] is None and row["reasoning"] is None
+        assert row["token_ids"] is None and row["later_turns"] == []
         return
-    assert row["error"] is None
-    assert row["prompt_tokens"] > 5
-    assert 1 <= row["completion_tokens"] <= MAX_TOKENS
-    if row["finish_reason"] == "length":
-        assert row["completion_tokens"] == MAX_TOKENS
-    assert all(row[k] is None or isinstance(row[k], str) and row[k] for k in ("reasoning", "answer"))
+    expected_turns = 3 if row["id"] == MULTI else 1
+    assert (row["turns_total"], row["turns_dropped"], len(row["later_turns"])) == (expected_turns, 0,
+                                                                                   expected_turns - 1)
+    assert [t["user"] for t in row["later_turns"]] == LATER_USERS[:expected_turns - 1]
+    prompt_tokens = 0
+    for turn in [row, *row["later_turns"]]:
+        assert TURN_FIELDS <= set(turn)
+        assert turn["finish_reason"] in ("stop", "length") and turn["error"] is None
+        # Each turn's prompt holds the conversation so far: it grows turn by turn.
+        assert turn["prompt_tokens"] > prompt_tokens + 5
+        prompt_tokens = turn["prompt_tokens"]
+        assert 1 <= turn["completion_tokens"] <= MAX_TOKENS
+        if turn["finish_reason"] == "length":
+            assert turn["completion_tokens"] == MAX_TOKENS
+        # The ids the target emitted, one per counted token (every backend returns them).
+        assert len(turn["token_ids"]) == turn["completion_tokens"] and all(isinstance(t, int) for t in turn["token_ids"])
+        assert all(turn[k] is None or isinstance(turn[k], str) and turn[k] for k in ("reasoning", "answer"))
 
 
 # --------------------------------------------------------------------------- transformers
@@ -118,9 +145,10 @@ def hf_runs(inputs) -> SimpleNamespace:
     settings = {**SETTINGS, "backend": "transformers"}
     cache = inputs.dir / "cache-hf"
     first = traces(inputs, settings, 1, 2, cache, inputs.dir / "hf-first")
-    # Simulate a job killed after 2 rows, mid-way through appending the third.
+    # Simulate a job killed after turn 2 of the 3-turn conversation, mid-way through appending
+    # its turn 3 (cache lines: the 4 first turns, then chat:1's turns 2 and 3).
     full = cache_lines(cache)
-    (cache / "1-of-2.jsonl").write_text(full[0] + "\n" + full[1] + "\n" + full[2][: len(full[2]) // 2])
+    (cache / "1-of-2.jsonl").write_text("\n".join(full[:5]) + "\n" + full[5][: len(full[5]) // 2])
     resumed = traces(inputs, settings, 1, 2, cache, inputs.dir / "hf-resumed")
     return SimpleNamespace(first=first, resumed=resumed, cache=cache, full_cache=full, settings=settings)
 
@@ -131,23 +159,24 @@ def test_transformers_backend_writes_trace_rows(hf_runs, inputs):
     for row in rows:
         check_row_format(row, "transformers", inputs.messages)
     s = hf_runs.first.summary
-    assert (s["rows"], s["failed"], s["reused"], s["generated"]) == (4, 1, 0, 4)
-    assert s["ok"] + s["failed"] == s["rows"]
-    assert s["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
+    # 4 conversations: 3 first turns answered, 1 rejected; chat:1's 2 later turns answered.
+    assert (s["rows"], s["failed"], s["reused"], s["generated"]) == (4, 1, 0, 6)
+    assert (s["turns_total"], s["turns_answered"], s["turns_failed"], s["turns_dropped"]) == (6, 5, 1, 0)
+    assert s["ok"] + s["failed"] == s["rows"] and s["turns_with_token_ids"] == 5
+    assert s["completion_tokens"] == sum(t["completion_tokens"] for r in rows for t in [r, *r["later_turns"]])
+    assert [json.loads(line)["row"]["turn"] for line in hf_runs.full_cache] == [1, 1, 1, 1, 2, 3]
 
 
-def test_partial_cache_generates_only_the_rest(hf_runs, inputs):
+def test_killed_job_redoes_only_unfinished_turns(hf_runs, inputs):
     s = hf_runs.resumed.summary
-    assert (s["reused"], s["generated"]) == (2, 2), s
-    assert [r["id"] for r in hf_runs.resumed.rows] == inputs.ids[1::2]
-    kept = {json.loads(line)["row"]["id"]: json.loads(line)["row"] for line in hf_runs.full_cache[:2]}
+    assert (s["reused"], s["generated"]) == (5, 1), s  # only chat:1's turn 3
+    assert "conversations at user turn 3: 0 already in" in hf_runs.resumed.proc.stdout
+    assert hf_runs.resumed.rows == hf_runs.first.rows  # same context, same greedy answer
     for row in hf_runs.resumed.rows:
         check_row_format(row, "transformers", inputs.messages)
-        if row["id"] in kept:
-            assert row == kept[row["id"]]  # taken from the cache, not regenerated
     # The torn line was terminated, not glued to the next row: every line parses again.
     lines = cache_lines(hf_runs.cache)
-    assert sum(1 for line in lines if _parses(line)) == 4
+    assert sum(1 for line in lines if _parses(line)) == 6
     assert "ignored" in hf_runs.resumed.proc.stdout  # the torn line was reported
 
 
@@ -182,18 +211,66 @@ def test_vllm_backend_rows(vllm_runs, inputs):
     for row in rows:
         check_row_format(row, "vllm", inputs.messages)
     s = vllm_runs.single.summary
-    assert (s["rows"], s["ok"], s["failed"], s["generated"], s["reused"]) == (9, 8, 1, 9, 0)
+    assert (s["rows"], s["ok"], s["failed"], s["generated"], s["reused"]) == (9, 8, 1, 11, 0)
     assert s["new_completion_tokens"] == s["completion_tokens"] > 0
     # deepseek_r1 semantics: text before </think> is reasoning. The tiny target's </think> is a
     # special token that decoding skips (as `vllm serve` does), so its text is all reasoning.
-    assert all(r["reasoning"] and r["answer"] is None for r in rows if r["id"] != LONG)
+    assert all(t["reasoning"] and t["answer"] is None for r in rows if r["id"] != LONG for t in [r, *r["later_turns"]])
+
+
+def test_later_turns_see_the_targets_earlier_answers(vllm_runs, inputs):
+    """Turn k's request is the conversation so far with the target's own earlier answers (as
+    the template renders them: here, reasoning inside <think>): vLLM's prompt token count for
+    each turn equals the render of exactly that context, which contains answer k-1's text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(inputs.target)
+    row = next(r for r in vllm_runs.single.rows if r["id"] == MULTI)
+    turns = [row, *row["later_turns"]]
+    context = list(row["messages"])
+    for k, turn in enumerate(turns):
+        if k:
+            prev = turns[k - 1]
+            context += [{"role": "assistant", "content": prev["answer"] or "", "reasoning_content": prev["reasoning"]},
+                        {"role": "user", "content": turn["user"]}]
+        text = tok.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+        assert len(tok(text, add_special_tokens=False)["input_ids"]) == turn["prompt_tokens"], k
+        if k:
+            assert f"<think>\n{turns[k - 1]['reasoning']}\n</think>" in text
+    # The source's own answers ("I went hiking.") are not what the target was shown.
+    assert "I went hiking." not in json.dumps(row)
+
+
+def test_multi_turn_rows_tokenize_to_the_emitted_tokens(vllm_runs, inputs):
+    """Tokenize on the real vLLM multi-turn rows: every turn's masked tokens are exactly the ids
+    vLLM emitted, after exactly the prompt it was given. This template renders past reasoning
+    in <think> tags the target never emitted, so each turn of chat:1 starts its own row."""
+    import tokenize_traces as tt
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(inputs.target)
+    renderer = tt.ChatRenderer(tok, tt.end_of_turn_ids(inputs.target, tok), {})
+    counts = tt.Counts()
+    for row in vllm_runs.traces:
+        if row["finish_reason"] == "error":
+            continue
+        pieces = renderer.encode(tt.TraceRow.parse(row, "traces.jsonl"), counts)
+        turns = [row, *row["later_turns"]]
+        assert len(pieces) == len(turns), row["id"]
+        for (ids, mask), turn in zip(pieces, turns):
+            n_prompt = mask.index(1)
+            assert n_prompt == turn["prompt_tokens"] and not any(mask[:n_prompt]), row["id"]
+            assert ids[n_prompt:] == turn["token_ids"] and all(mask[n_prompt:]), row["id"]
+    assert (counts.turns_spliced, counts.turns_in_loss, counts.conversations_split) == (10, 10, 1)
+    assert counts.turns_reencoded == 0 and counts.prompt_length_differs == 0
 
 
 def test_rerun_with_cache_generates_nothing(vllm_runs, inputs):
     for i, run in enumerate(vllm_runs.shards):
         s = run.summary
         assert (s["shard"], s["num_shards"]) == (i, 2)
-        assert s["generated"] == 0 and s["reused"] == s["rows"] == len(inputs.ids[i::2]), s
+        later = sum(len(r["later_turns"]) for r in run.rows)
+        assert s["generated"] == 0 and s["reused"] == s["rows"] + later == len(inputs.ids[i::2]) + 2 * i, s
         assert "[vllm] loading" not in run.proc.stdout  # no engine was started
     # The rows the re-sharded runs took from the cache are exactly those the engine produced.
     by_id = {r["id"]: r for r in vllm_runs.single.rows}
@@ -209,9 +286,12 @@ def test_gather_restores_prompt_order_and_totals(vllm_runs, inputs):
     assert s["rows"] == len(inputs.ids) and s["ok"] + s["failed"] == s["rows"]
     assert s["failed"] == 1 and s["failed_ids"] == [LONG]
     assert s["truncated"] == sum(r["finish_reason"] == "length" for r in rows)
-    assert s["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
-    assert s["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
-    assert s["reused"] == 9 and s["generated"] == 0 and s["num_shards"] == 2
+    turns = [t for r in rows for t in [r, *r["later_turns"]]]
+    assert s["completion_tokens"] == sum(t["completion_tokens"] for t in turns)
+    assert s["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns)
+    assert s["reused"] == 11 and s["generated"] == 0 and s["num_shards"] == 2
+    assert (s["turns_total"], s["turns_answered"], s["turns_failed"], s["turns_dropped"]) == (11, 10, 1, 0)
+    assert (s["turns"], s["source"]) == ("all", "target")
     prov = vllm_runs.provenance
     assert prov["rule"] == "traces_gather" and prov["settings"]["backend"] == "vllm"
     assert set(prov["inputs"]) == {"shard_0", "shard_1"}
@@ -296,10 +376,13 @@ def test_openai_backend_same_format_and_greedy_answers_as_offline(server_runs, v
         if row["id"] == LONG:
             assert row["error"].startswith("HTTP 400")  # the server rejected it: recorded, not retried
             continue
-        # Greedy decoding through the server equals the offline engine, token counts and the
-        # reasoning split (the server's deepseek_r1 parser vs ours on the offline text) included.
-        for key in ("reasoning", "answer", "finish_reason", "prompt_tokens", "completion_tokens"):
-            assert row[key] == ref[key], (row["id"], key, row[key], ref[key])
+        # Greedy decoding through the server equals the offline engine, token counts, the
+        # reasoning split (the server's deepseek_r1 parser vs ours on the offline text) and the
+        # emitted token ids included - in later turns too (the same history reaches the template).
+        assert len(row["later_turns"]) == len(ref["later_turns"])
+        for turn, ref_turn in zip([row, *row["later_turns"]], [ref, *ref["later_turns"]]):
+            for key in ("reasoning", "answer", "finish_reason", "prompt_tokens", "completion_tokens", "token_ids"):
+                assert turn[key] == ref_turn[key], (row["id"], key, turn[key], ref_turn[key])
     s = server_runs.run.summary
     assert s["endpoint"] == f"http://127.0.0.1:{server_runs.port}/v1" and s["model"] == str(inputs.target)
 
@@ -385,7 +468,7 @@ def test_flaky_endpoint_retries_records_failures_and_resumes_after_the_server_di
     assert first.proc.returncode == 2, first.proc.stdout + first.proc.stderr
     assert f"http://127.0.0.1:{port}/v1" in first.proc.stderr and "unreachable" in first.proc.stderr
     assert "Traceback" not in first.proc.stderr and not first.out.exists()
-    answered = {json.loads(l)["row"]["messages"][0]["content"] for l in cache_lines(cache)}
+    answered = {questions[int(json.loads(l)["row"]["id"].split(":")[1])] for l in cache_lines(cache)}
     assert len(answered) == 4  # every answer the dead server gave was kept
 
     log2 = tmp_path / "server2.jsonl"
@@ -535,7 +618,7 @@ def plain_greedy(tiny_target) -> SimpleNamespace:
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     questions = [q for q in QUESTIONS if len(q) < 1000] + ["hi", "Tell me everything you know about " * 6]
-    answers = {}
+    answers, token_ids = {}, {}
     for i, q in enumerate(questions):
         text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -545,7 +628,8 @@ def plain_greedy(tiny_target) -> SimpleNamespace:
         tokens = out[0, len(ids):].tolist()
         tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
         answers[f"q{i}"] = (tok.decode([t for t in tokens if t != eos]), len(tokens))
-    return SimpleNamespace(questions=questions, answers=answers)
+        token_ids[f"q{i}"] = tokens
+    return SimpleNamespace(questions=questions, answers=answers, token_ids=token_ids)
 
 
 @pytest.mark.parametrize("shape_locked", [False, True], ids=["cpu-path", "gpu-path"])
@@ -562,9 +646,39 @@ def test_transformers_greedy_answers_equal_plain_generate(tiny_target, plain_gre
     backend = make_backend(settings, tiny_target, "float32", log=lambda msg: None)
     backend.start()
     requests = [PromptRequest(f"q{i}", [{"role": "user", "content": q}]) for i, q in enumerate(plain_greedy.questions)]
-    got = {c.request.id: (c.answer or "", c.completion_tokens) for c in backend.generate(requests)}
+    completions = list(backend.generate(requests))
+    got = {c.request.id: (c.answer or "", c.completion_tokens) for c in completions}
     assert got == plain_greedy.answers
+    # The emitted ids (end-of-turn included) that tokenize splices in: plain generate's tokens.
+    assert {c.request.id: c.token_ids for c in completions} == plain_greedy.token_ids
     stats = backend.describe()
     assert stats["batches"] == 3 and stats["cache_len"] > 24
     assert stats["filler_rows"] == (12 - len(requests) if shape_locked else 0)
     assert (stats["warmup_s"] > 0) == shape_locked
+
+
+def test_transformers_token_ids_of_a_stopped_answer_end_with_its_end_of_turn_token(reasoning_target):
+    """The reasoning target stops (REASONING</think>ANSWER<|im_end|>): the ids the backend
+    returns are plain generate's, the end-of-turn token included (completion_tokens counts it,
+    as vLLM does), so tokenize splices exactly what the target emitted."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline_lib.generation import GenerationSettings, PromptRequest, make_backend
+
+    tok = AutoTokenizer.from_pretrained(reasoning_target)
+    model = AutoModelForCausalLM.from_pretrained(reasoning_target, dtype=torch.float32).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "user", "content": "Do you like hiking?"}]
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=eos)
+    plain = out[0, len(ids):].tolist()
+    assert eos in plain
+    plain = plain[:plain.index(eos) + 1]
+    backend = make_backend(GenerationSettings.from_dict({"backend": "transformers", "max_tokens": 48}),
+                           reasoning_target, "float32", log=lambda msg: None)
+    backend.start()
+    (c,) = backend.generate([PromptRequest("p", messages)])
+    assert (c.finish_reason, c.token_ids, c.completion_tokens) == ("stop", plain, len(plain))

@@ -159,3 +159,31 @@ def test_kimi_scale_plan_is_fast_and_right(tmp_path, test_config):
     assert "traces_shard           x1000  64 / 900000 / 600 / 8" in err
     # 100k x 2304 tokens x 57,344 B = 13.2 TB: more than this disk has, and the plan says so.
     assert "13.2 TB" in err and "DOES NOT FIT" in err
+
+
+def test_self_vs_dataset_ablation_config_shares_target_and_prompts_only(tmp_path):
+    """configs/ablation-self-vs-dataset.yaml (issue #12): two variants differing in
+    generation.source. One target and one prompt set; each variant its own traces, tokenized
+    data, hidden states and draft (the base in the plain directories, the dataset variant in
+    <stage>-<digest> ones)."""
+    proc = subprocess.run([PY, "-m", "snakemake", "-n", "-d", str(tmp_path), "--cores", "2", "--configfile",
+                           str(REPO / "configs/ablation-self-vs-dataset.yaml")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = planned_job_set(proc.stdout + proc.stderr)
+    by_rule: dict[str, list[dict]] = {}
+    for rule, wildcards in jobs:
+        by_rule.setdefault(rule, []).append(dict(wildcards))
+    for rule in ("target", "prompts_train", "prompts_eval", "compare_variants"):
+        assert len(by_rule[rule]) == 1, (rule, by_rule[rule])
+    instances = {stage: {w[stage] for w in by_rule[rule]} for stage, rule in
+                 (("traces", "traces_gather"), ("tokenized", "tokenize"), ("hidden_states", "hidden_states_gather"))}
+    for stage, dirs in instances.items():
+        plain = {d for d in dirs if d == stage}
+        digested = {d for d in dirs if re.fullmatch(rf"{stage}-[0-9a-f]{{10}}", d)}
+        assert len(plain) == len(digested) == 1 and dirs == plain | digested, (stage, dirs)
+    assert len(by_rule["traces_shard"]) == 4  # 2 shards per instance
+    for rule in ("train_draft", "load_check", "contract_checks", "acceptance", "report"):
+        assert sorted(w["variant"] for w in by_rule[rule]) == ["dataset-answers", "self-generated"], rule
+    assert '"source": "dataset"' in proc.stdout and "answered_only" in proc.stdout
+    assert not (tmp_path / "results").exists()

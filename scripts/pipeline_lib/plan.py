@@ -52,6 +52,17 @@ def draft_parameters(hidden: int, vocab: int, draft_vocab: int, layers: int, int
     return 3 * hidden * hidden + layers * per_layer + hidden * draft_vocab + hidden * vocab
 
 
+def train_prompt_count(prompts: dict[str, Any]) -> int | None:
+    """Training prompts the config asks for: num_samples, summed over a mix (capped by
+    mix_num_samples); None when a cap is missing."""
+    train = prompts["train"]
+    caps = [e.get("num_samples") for e in (train if isinstance(train, list) else [train])]
+    total = None if None in caps else sum(caps)
+    if prompts.get("mix_num_samples") is not None:
+        total = prompts["mix_num_samples"] if total is None else min(total, prompts["mix_num_samples"])
+    return total
+
+
 def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]:
     results_dir = Path(results_dir)
     plan_cfg = config.get("plan") or {}
@@ -62,14 +73,20 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     gen, tok, hs, verify = config["generation"], config["tokenize"], config["hidden_states"], config["verify"]
     throughput = {**DEFAULT_THROUGHPUT, **(plan_cfg.get("throughput") or {})}
 
-    n_prompts = config["prompts"]["train"].get("num_samples") or plan_cfg.get("num_prompts")
+    n_prompts = train_prompt_count(config["prompts"]) or plan_cfg.get("num_prompts")
     avg_prompt = plan_cfg.get("avg_prompt_tokens", 128)
     notes = []
     if n_prompts is None:
         notes.append("prompts.train.num_samples is null: set it or plan.num_prompts to size the run")
         n_prompts = 0
-    completion_tokens = n_prompts * gen["max_tokens"]
-    row_tokens = min(avg_prompt + gen["max_tokens"], tok["max_seq_len"])
+    # Answers per conversation: 1, or up to max_turns user turns with generation.turns: all.
+    turns = 1 if gen.get("turns", "first") == "first" else gen.get("max_turns")
+    if turns is None:
+        notes.append("generation.turns is all and max_turns is null: the estimates count one answer per "
+                     "conversation; set generation.max_turns to size multi-turn runs")
+        turns = 1
+    completion_tokens = n_prompts * gen["max_tokens"] * turns
+    row_tokens = min(avg_prompt * turns + gen["max_tokens"] * turns, tok["max_seq_len"])
     train_tokens = n_prompts * row_tokens
     n_aux = len(hs["aux_layer_ids"]) if hs.get("aux_layer_ids") else 3
     hs_bytes = None

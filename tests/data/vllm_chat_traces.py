@@ -2,8 +2,9 @@
 """Test helper: real target generations, written as traces.jsonl rows (docs/artifacts.md).
 
 Runs offline vLLM `LLM.chat` on a target dir for the prompt rows in --prompts and writes one
-trace row per prompt, plus `generated_token_ids` (what vLLM sampled) so tests can compare the
-tokenize stage's loss mask with the tokens the target really produced. A random-weight
+trace row per prompt with `token_ids` (what vLLM sampled, as the traces stage keeps them), plus
+`prompt_token_ids`, so tests can compare the tokenize stage's rows with the tokens the target
+really saw and produced. A random-weight
 target almost never samples its end-of-turn token, so --eos-bias raises its logit to get a
 mix of rows that stop and rows cut at max_tokens (every other prompt also gets only 3 tokens);
 special tokens other than the end of turn are banned so that the answer text holds every
@@ -50,7 +51,8 @@ def main() -> None:
                 "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(gen.token_ids),
                 "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": params[i].max_tokens, "seed": i},
                 "backend": "vllm", "category": None,
-                "prompt_token_ids": list(out.prompt_token_ids), "generated_token_ids": list(gen.token_ids),
+                "token_ids": list(gen.token_ids), "later_turns": [], "turns_total": 1, "turns_dropped": 0,
+                "prompt_token_ids": list(out.prompt_token_ids),
             }) + "\n")
 
 

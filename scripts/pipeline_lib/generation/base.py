@@ -26,6 +26,8 @@ FINISH_REASONS = ("stop", "length", "error")
 # A server's Retry-After is honoured up to this long per retry round (a misconfigured server
 # asking for hours must not park the job silently; the retry budget still bounds the total).
 MAX_RETRY_AFTER_S = 300.0
+TURNS = ("first", "all")                # generation.turns
+ANSWER_SOURCES = ("target", "dataset")  # generation.source
 
 
 class BackendUnavailable(PipelineError):
@@ -52,6 +54,9 @@ class GenerationSettings:
     batch_size: int = 64
     request_timeout_s: float = 600.0
     retries: int = 2
+    turns: str = "first"
+    max_turns: int | None = None
+    source: str = "target"
     trust_remote_code: bool = False
 
     @classmethod
@@ -84,6 +89,13 @@ class GenerationSettings:
             raise bad("request_timeout_s", "must be a number of seconds > 0")
         if not isinstance(self.chat_template_kwargs, dict):
             raise bad("chat_template_kwargs", "must be a mapping")
+        if self.turns not in TURNS:
+            raise bad("turns", f"choose one of {list(TURNS)}")
+        if self.source not in ANSWER_SOURCES:
+            raise bad("source", f"choose one of {list(ANSWER_SOURCES)}")
+        if self.max_turns is not None and (not isinstance(self.max_turns, int) or isinstance(self.max_turns, bool)
+                                           or self.max_turns < 1):
+            raise bad("max_turns", "must be an integer >= 1 or null")
         if self.backend == "openai" and not self.endpoint:
             raise bad("endpoint", "the openai backend needs the server's base URL, e.g. http://127.0.0.1:8000/v1")
 
@@ -92,10 +104,17 @@ class GenerationSettings:
         return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
                 "seed": self.seed}
 
+    def turns_to_answer(self, user_turns: int) -> int:
+        """How many of a conversation's user turns get an answer."""
+        if self.turns == "first":
+            return min(1, user_turns)
+        return min(user_turns, self.max_turns or user_turns)
+
     def answer_defining(self) -> dict[str, Any]:
         """The settings that change what the target answers (and how it is split); the row
         cache keys on these. Batch size, timeouts, shard count, backend and endpoint only
-        change how the answers are obtained."""
+        change how the answers are obtained; turns/max_turns only which requests are made
+        (each turn's request, earlier answers included, is its own cache key)."""
         return {**self.sampling(), "chat_template_kwargs": self.chat_template_kwargs,
                 "reasoning_parser": self.reasoning_parser}
 
@@ -133,6 +152,9 @@ class Completion:
     error: str | None = None
     error_kind: str | None = None
     retry_after_s: float | None = None  # the server asked to wait this long before retrying
+    # The ids the target emitted (end-of-turn token included when it stopped); None where the
+    # backend cannot return them. Tokenization splices these instead of re-encoding the text.
+    token_ids: list[int] | None = None
 
     @property
     def ok(self) -> bool:

@@ -41,6 +41,8 @@ class OpenAIBackend(Backend):
             limits=httpx.Limits(max_connections=s.batch_size, max_keepalive_connections=s.batch_size))
         self.model = self._resolve_model()
         self.log(f"[openai] {self.shown_url} serves {self.model!r}")
+        # vLLM's extension: the answer's token ids (spliced into the training rows as emitted).
+        self.ask_token_ids = True
 
     def close(self) -> None:
         client = getattr(self, "client", None)
@@ -126,6 +128,8 @@ class OpenAIBackend(Backend):
                                 "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         if s.chat_template_kwargs:
             body["chat_template_kwargs"] = s.chat_template_kwargs
+        if self.ask_token_ids:
+            body["return_token_ids"] = True
         try:
             r = self.client.post("/chat/completions", json=body)
         except httpx.ConnectTimeout as err:
@@ -138,6 +142,10 @@ class OpenAIBackend(Backend):
         except httpx.TransportError as err:
             return Completion.failed(req, f"connection: {type(err).__name__}: {err}", ERROR_TRANSIENT)
         self._raise_for_fatal_status(r, "POST /chat/completions")
+        if r.status_code == 400 and self.ask_token_ids and "return_token_ids" in r.text:
+            self.log(f"[openai] {self.shown_url} does not return token ids; answers will be re-encoded")
+            self.ask_token_ids = False
+            return self._chat(req)
         if r.status_code != 200:
             kind = ERROR_TRANSIENT if r.status_code in RETRY_STATUSES or r.status_code >= 500 else ERROR_INVALID
             return Completion.failed(req, f"HTTP {r.status_code}: {_error_text(r)}", kind,
@@ -148,14 +156,15 @@ class OpenAIBackend(Backend):
             # Truncated or wrong-shaped replies come from overloaded or buggy servers: retry.
             return Completion.failed(req, f"malformed response: {err}; the reply began {r.content[:200]!r}",
                                      ERROR_TRANSIENT)
-        message, finish, usage = reply
+        message, finish, usage, token_ids = reply
         prompt_tokens = usage.get("prompt_tokens", 0)
         finish = {"tool_calls": "stop", "function_call": "stop"}.get(finish, finish)
         if finish not in ("stop", "length"):
             return Completion.failed(req, f"finish_reason {finish!r}: the server did not finish the answer",
                                      ERROR_TRANSIENT, prompt_tokens)
         reasoning, answer = self._server_split(message, req.messages)
-        return Completion(req, reasoning, answer, finish, prompt_tokens, usage.get("completion_tokens", 0))
+        return Completion(req, reasoning, answer, finish, prompt_tokens, usage.get("completion_tokens", 0),
+                          token_ids=token_ids)
 
     def _server_split(self, message: dict[str, Any], messages: list[dict[str, Any]]):
         content = message.get("content") or ""
@@ -198,9 +207,10 @@ def parse_json_reply(body: bytes, where: str) -> Any:
         raise ValueError(f"not complete JSON ({err.msg} at character {err.pos} of {len(text)})") from None
 
 
-def parse_chat_reply(body: bytes, where: str) -> tuple[dict[str, Any], Any, dict[str, int]]:
-    """(message, finish_reason, usage) of a chat-completions reply, its shape checked: a reply
-    of the wrong shape is an error here, never a row with a non-text answer."""
+def parse_chat_reply(body: bytes, where: str) -> tuple[dict[str, Any], Any, dict[str, int], list[int] | None]:
+    """(message, finish_reason, usage, token_ids) of a chat-completions reply, its shape checked:
+    a reply of the wrong shape is an error here, never a row with a non-text answer. token_ids
+    (vLLM's `return_token_ids` extension) is None when the server sent none."""
     data = parse_json_reply(body, where)
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -221,7 +231,11 @@ def parse_chat_reply(body: bytes, where: str) -> tuple[dict[str, Any], Any, dict
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"usage.{key} = {value!r} is not a token count")
         counts[key] = value
-    return message, choices[0].get("finish_reason"), counts
+    token_ids = choices[0].get("token_ids")
+    if token_ids is not None and (not isinstance(token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)):
+        raise ValueError(f"choices[0].token_ids is not a list of token ids ({str(token_ids)[:80]})")
+    return message, choices[0].get("finish_reason"), counts, token_ids or None
 
 
 def _api_base(endpoint: str) -> str:

@@ -174,7 +174,7 @@ class TransformersBackend(Backend):
                 continue
             text = self.tokenizer.decode(kept, skip_special_tokens=self.skip_special_tokens)
             reasoning, answer = self._split(text, req.messages)
-            yield Completion(req, reasoning, answer, finish, len(prompt), count)
+            yield Completion(req, reasoning, answer, finish, len(prompt), count, token_ids=tokens[:count])
 
 
 # The one place that maps `generation.backend` to an implementation.

@@ -96,7 +96,8 @@ class VllmBackend(Backend):
             return Completion.failed(req, f"vLLM finished the request with finish_reason={choice.finish_reason!r}",
                                      ERROR_TRANSIENT, prompt_tokens)
         reasoning, answer = self._split(choice.text, req.messages)
-        return Completion(req, reasoning, answer, choice.finish_reason, prompt_tokens, len(choice.token_ids))
+        return Completion(req, reasoning, answer, choice.finish_reason, prompt_tokens, len(choice.token_ids),
+                          token_ids=list(choice.token_ids))
 
 
 def _external_request_id(internal_id: str) -> str:
