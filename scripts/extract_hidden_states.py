@@ -2,7 +2,8 @@
 """Extract the target's hidden states for one shard of the tokenized dataset.
 
 Shard i of n owns a contiguous row range. Each row's file goes to
-  STORE_DIR/<key>/hs_{row}.safetensors   (token_ids int64 [T], hidden_states [T, n_aux+1, H])
+  STORE_DIR/<key>/hs_{row}.safetensors   (token_ids int64 [T], hidden_states [T, n_aux+1, H],
+                                          + hidden_states_scales [T, 1, 1] with storage fp8)
 where <key> digests the target weights, the tokenized data, the layer ids and the dtype.
 Existing files in the range are validated (readable, token ids, shape, dtype, finite values);
 only missing or bad ones are regenerated. --out records what happened (reused/regenerated
@@ -15,7 +16,8 @@ counts, tokens, bytes, tokens/s, per-file digests) for gather_hidden_states.py.
 Settings (config.yaml `hidden_states`): backend (vllm|transformers), aux_layer_ids (null =
 speculators' default [2, N//2, N-3]), batch_size and batch_tokens (the transformers backend's
 forward passes: at most this many rows and padded tokens; vLLM schedules its own batches),
-dtype, trust_remote_code.
+dtype, storage (bf16 | fp8: hs-connectors' per-token scaled float8 files, about half the
+bytes), trust_remote_code.
 """
 from __future__ import annotations
 
@@ -173,6 +175,7 @@ def main() -> None:
         "dataset_rows": total_rows,
         "aux_layer_ids": list(spec.aux_layer_ids), "final_layer_id": spec.final_layer_id,
         "hidden_size": spec.hidden_size, "dtype": spec.dtype,
+        "storage": spec.storage, "stored_dtype": spec.format.stored_dtype(spec.dtype),
         "target_digest": t_digest, "data_digest": d_digest,
         "store_key": key, "store_dir": str(store.root),
         "backend": backend_name,
