@@ -122,6 +122,7 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
                     else val[-1]["epoch"])
     out["selected_epoch"] = selected
     out["selection"] = select
+    out["hidden_states"] = train_prov.get("hidden_states")  # mode, storage, transfer
     sel_row = next((r for r in val if r["epoch"] == selected), None)
     out["selected_val"] = {k: sel_row.get(k) for k in ["loss", *accs]} if sel_row else None
     return out
@@ -427,7 +428,8 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
              for split in tr.get("splits", [])]
     sections.append(Section("Training", [
         f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
-        f"validation {fmt(tr.get('selected_val'))}."],
+        f"validation {fmt(tr.get('selected_val'))}."
+        + (f" Hidden states: {fmt(tr['hidden_states'])}." if tr.get("hidden_states") else "")],
         [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],
         ["Training loss per epoch", "Per-position accuracy per epoch"]))
     sections.append(lineage_section(result["lineage"]))
