@@ -34,7 +34,7 @@ from pipeline_lib.hidden_states import (  # noqa: E402
 )
 from pipeline_lib.io import atomic_write_json, free_bytes, reporting_disk_full, require_free_space  # noqa: E402
 from pipeline_lib.provenance import upstream_digest  # noqa: E402
-from pipeline_lib.target import load_manifest, weights_digest  # noqa: E402
+from pipeline_lib.target import loaded_weights_digest  # noqa: E402
 
 log = logging.getLogger("extract_hidden_states")
 PROGRESS_EVERY_S = 30
@@ -69,21 +69,6 @@ def load_rows(data_dir: Path, shard: int, num_shards: int) -> tuple[int, range, 
             raise PipelineError(f"{data_dir}: row {start + offset} has no tokens; drop empty rows when tokenizing")
         rows.append(Row(start + offset, list(ids)))
     return len(ds), range(start, stop), rows
-
-
-def target_digest(target_dir: Path, manifest_path: Path) -> str:
-    """The digest of the weight files this job loads (hashed here, not copied from the
-    manifest: the contract checks compare it with the target stage's). Reading them once
-    more also warms the page cache for the engine's load."""
-    manifest = load_manifest(manifest_path)
-    recorded = manifest.get("weights_digest")
-    if not recorded:
-        raise PipelineError(f"{manifest_path}: no weights_digest; rerun the target rule")
-    loaded = weights_digest(target_dir)
-    if loaded != recorded:
-        raise PipelineError(f"{target_dir}: its weight files differ from the ones in {manifest_path} (the model "
-                            f"dir changed after the target stage); rerun the target stage")
-    return loaded
 
 
 def check_existing(store: HSStore, rows: list[Row]) -> tuple[dict[int, FileRecord], list[Row], dict[str, str]]:
@@ -135,7 +120,7 @@ def main() -> None:
     shard_range(0, args.shard, args.num_shards)  # a bad --shard fails before the data is read
 
     spec = layer_spec(args.target, settings)
-    t_digest = target_digest(args.target, args.manifest)
+    t_digest = loaded_weights_digest(args.target, args.manifest)
     d_digest = upstream_digest(args.data)
     total_rows, row_range, rows = load_rows(args.data, args.shard, args.num_shards)
     key = store_key(t_digest, d_digest, spec)

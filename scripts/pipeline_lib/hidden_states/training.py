@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import PipelineError
 from ..io import read_json
+from ..target import loaded_weights_digest
 from .formats import storage_format
 from .server import HiddenStatesServer, JobStopped, ServerDied, ServerSettings, StopOnSignals, split_devices
 from .store import layer_spec
@@ -42,6 +43,13 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, struct.error) as err:
         raise PipelineError(f"{path}: not a readable safetensors file ({err}); re-run the "
                             f"hidden_states stage for this row") from None
+
+
+def source_fingerprint(mode: str, storage: str) -> dict[str, Any]:
+    """What, besides the data digest, makes another run's checkpoints unusable for a resume
+    (train_draft's trajectory fingerprint): how the hidden states were stored and served.
+    Empty for offline bf16, so checkpoints made before modes and formats existed still resume."""
+    return {} if (mode, storage) == ("offline", "bf16") else {"hidden_states": {"mode": mode, "storage": storage}}
 
 
 class OfflineSource:
@@ -96,8 +104,7 @@ class OfflineSource:
                     f"files were extracted with other layers or another format: re-run the hidden_states stage")
 
     def fingerprint(self) -> dict[str, Any]:
-        """What, besides the data digest, makes checkpoints of another run unusable for a resume."""
-        return {} if self.storage == "bf16" else {"storage": self.storage}
+        return source_fingerprint(self.mode, self.storage)
 
     def claim_devices(self, gpus: int) -> int:
         """GPUs the trainer gets (all of the job's)."""
@@ -127,6 +134,7 @@ class OnlineSource:
                                 f"127.0.0.1); resources.train.nodes = {args.nodes}: set it to 1, or use offline mode")
         self.settings = settings
         self.target, self.data = Path(args.target), Path(args.data)
+        self.target_manifest_path = Path(args.target_manifest)
         self.work_dir = Path(args.checkpoints) / ONLINE_WORK_DIR
         self.spec = None
         self.manifest: dict[str, Any] = {}
@@ -166,7 +174,9 @@ class OnlineSource:
             "aux_layer_ids": list(self.spec.aux_layer_ids), "final_layer_id": self.spec.final_layer_id,
             "hidden_size": self.spec.hidden_size, "dtype": self.spec.dtype,
             "stored_dtype": self.spec.format.stored_dtype(self.spec.dtype),
-            "target_digest": target_manifest.get("weights_digest"), "data_digest": upstream_digest(self.data),
+            # the weight files the server will load, hashed here (as an offline shard does)
+            "target_digest": loaded_weights_digest(self.target, self.target_manifest_path),
+            "data_digest": upstream_digest(self.data),
             "rows": rows,
         }
         return self.manifest
@@ -180,7 +190,7 @@ class OnlineSource:
                 f"more but the target allows {self.spec.max_positions}; lower tokenize.max_seq_len")
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"hidden_states": {"mode": self.mode, "storage": self.storage}}
+        return source_fingerprint(self.mode, self.storage)
 
     @contextlib.contextmanager
     def serving(self, log: Callable[[str], None]) -> Iterator[list[str]]:
