@@ -5,7 +5,9 @@ Expensive runs happen once per module: vLLM extractions in bf16 and fp8 (one eng
 a transformers fp8 extraction; offline training on the bf16 and fp8 files; one uninterrupted
 online training (its own vLLM server) checked against the offline one and loaded by vLLM; and
 one online training that is interrupted twice (SIGTERM, then its server is killed) before a
-rerun completes it. The failure tests start servers that never get ready."""
+rerun completes it. The failure tests start servers that never get ready. The plan's per-option
+estimates (Kimi scale) and the online DAG are dry-run tests in test_workflow.py; which jobs a
+change of mode or storage reruns, in test_rebuilds.py."""
 from __future__ import annotations
 
 import json
@@ -20,14 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, SCRIPTS, base_test_config, run_script, run_snakemake
+from conftest import PY, SCRIPTS, run_script
 from test_train import build_tokenized
-from test_workflow import planned_jobs
 
 from pipeline_lib.errors import PipelineError
 from pipeline_lib.hidden_states import LayerSpec, inspect_hs_bytes, store_key
 from pipeline_lib.hidden_states.server import SERVER_MODULE, split_devices
-from pipeline_lib.plan import format_plan, make_plan
 
 AUX = [2, 4, 5]
 TRAIN = {"draft_layers": 1, "draft_vocab_size": 512, "ttt_steps": 3, "epochs": 2, "lr": 0.003,
@@ -148,6 +148,8 @@ def offline(run) -> dict:
 def online(run, offline) -> dict:
     """One uninterrupted online training (after the offline runs: one engine at a time)."""
     out = run["root"] / "drafts" / "online"
+    # The offline run's checkpoints in its place: another mode is another trajectory, never resumed.
+    shutil.copytree(run["root"] / "drafts" / "vllm-bf16" / "checkpoints", out / "checkpoints")
     proc = train(run, out, hs_settings=ONLINE)
     load = run_script("load_check.py", "--target", run["target"], "--draft", out / "final",
                       "--out", out / "load_check.json", timeout=600)
@@ -283,8 +285,11 @@ def test_online_training_end_to_end(run, offline, online):
     assert not (work / "hidden_states").exists() and not (work / "server.pid").exists()
     assert not list(out.rglob("*.safetensors.lock")) and not list(out.rglob("cmpl-*"))
     assert server_processes(str(work)) == [] and group_gone(record["server"]["pgid"], wait_s=1)
-    argv = json.loads((out / "provenance.json").read_text())["trainer_argv"]
-    assert argv[argv.index("--on-missing") + 1] == "generate"
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["trainer_argv"][prov["trainer_argv"].index("--on-missing") + 1] == "generate"
+    # The offline checkpoints it found were moved aside, not resumed from.
+    assert "were made with different hidden_states; moved them to" in online["proc"].stdout
+    assert prov["resumed_after_epoch"] is None and len(list(out.glob("checkpoints.superseded-*"))) == 1
     # Same data and seed as offline training on vLLM's own extraction: the same accuracy.
     got, ref = val_acc(out), val_acc(run["root"] / "drafts" / "vllm-bf16")
     print(f"\nvalidation accuracy online {got} offline {ref}")
@@ -419,61 +424,3 @@ def test_gpu_split_and_bad_online_settings(run, tmp_path):
     cmd[cmd.index("--nodes") + 1] = "2"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "online trains on one node" in proc.stderr
-
-
-KIMI_SHAPE = {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840, "intermediate_size": 18432}
-
-
-def kimi_config(tiny_target: Path, **hs) -> dict:
-    cfg = base_test_config(tiny_target)
-    cfg["prompts"]["train"]["num_samples"] = 100_000
-    cfg["generation"].update(max_tokens=2048)
-    cfg["tokenize"]["max_seq_len"] = 4096
-    cfg["hidden_states"].update({"aux_layer_ids": [2, 30, 58], "dtype": "bfloat16", "mode": "offline",
-                                 "storage": "bf16", "server_gpus": 2, **hs})
-    cfg["train"].update(draft_vocab_size=32000, keep_last=2, epochs=10, num_workers=4)
-    cfg["resources"] = {"train": {"gpu": 8}}
-    cfg["plan"] = {"target_shape": KIMI_SHAPE, "avg_prompt_tokens": 256, "disk_free_bytes": 10 * 10**12}
-    return cfg
-
-
-def test_plan_prices_each_hidden_state_option_on_kimi_scale(tiny_target, tmp_path):
-    """230.4M training tokens x 4 layers x 7168: bf16 57,344 B/token (13.2 TB), fp8 28,676 B/token;
-    on a 10 TB filesystem offline bf16 does not fit (2x margin), fp8 does not either, online does
-    and costs the server's GPU time."""
-    tokens = 100_000 * min(256 + 2048, 4096)
-    plan = make_plan(kimi_config(tiny_target), tmp_path)
-    opts = plan["hidden_state_options"]
-    assert opts["offline bf16"]["hidden_state_bytes"] == tokens * 4 * 7168 * 2
-    assert opts["offline fp8"]["hidden_state_bytes"] == tokens * (4 * 7168 + 4)
-    assert opts["online"]["hidden_state_bytes"] == 0 and opts["online"]["disk_bytes"] == plan["checkpoint_bytes_total"]
-    assert [name for name, o in opts.items() if o["fits"]] == ["online"] and not plan["fits_disk"]
-    # Online, 8 GPUs = 2 server + 6 trainer; 10 epochs; overlapped (num_workers > 0):
-    # max(train 2.304e9/60000/3600/6, extract 2.304e9/40000/3600/2) = 8.0 h on 8 GPUs = 64 GPU-h.
-    assert opts["online"]["gpu_hours_train"] == pytest.approx(64.0, abs=0.01)
-    assert opts["offline bf16"]["gpu_hours_train"] == pytest.approx(tokens * 10 / 60000 / 3600, abs=0.01)
-    text = format_plan(plan)
-    assert "what fits instead: online (hidden_states: {mode: online, storage: bf16 or fp8})" in text
-    assert f"{opts['online']['gpu_hours_total'] - opts['offline bf16']['gpu_hours_total']:+.1f} vs offline bf16" in text
-
-    # With 20 TB free, fp8 (2 x 6.6 TB + checkpoints) fits at no extra GPU time.
-    cfg = kimi_config(tiny_target)
-    cfg["plan"]["disk_free_bytes"] = 20 * 10**12
-    text = format_plan(make_plan(cfg, tmp_path))
-    assert "what fits instead: offline fp8" in text and "(+0.0 vs offline bf16)" in text
-
-    # Configured online: no hidden-state jobs, nothing on disk, the online GPU-hours.
-    plan = make_plan(kimi_config(tiny_target, mode="online"), tmp_path)
-    assert plan["jobs"]["hidden_states_shard"] == 0 and plan["hidden_state_bytes"] == 0 and plan["fits_disk"]
-    assert plan["gpu_hours"]["train"] == pytest.approx(64.0, abs=0.01) and plan["gpu_hours"]["hidden_states"] == 0
-    assert "nothing on disk" in format_plan(plan)
-
-
-def test_online_mode_dag_has_no_hidden_state_jobs(tiny_target, tmp_path):
-    cfg = base_test_config(tiny_target)
-    cfg["hidden_states"].update(mode="online", storage="fp8")
-    proc = run_snakemake(tmp_path, cfg, "-n")
-    jobs = planned_jobs(proc.stdout + proc.stderr)
-    assert "hidden_states_shard" not in jobs and "hidden_states_gather" not in jobs
-    assert jobs["train_draft"] == 1 and jobs["contract_checks"] == 1
-    assert "hidden states: online" in proc.stderr
