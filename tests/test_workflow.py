@@ -223,3 +223,34 @@ def test_online_mode_dag_has_no_hidden_state_jobs(tiny_target, tmp_path):
     assert "hidden_states_shard" not in jobs and "hidden_states_gather" not in jobs
     assert jobs["train_draft"] == 1 and jobs["contract_checks"] == 1
     assert "hidden states: online" in proc.stderr
+
+
+def test_variants_may_train_online_or_on_fp8_files(tiny_target, tmp_path):
+    """mode and storage are hidden_states keys a variant may set: an fp8 variant gets its own
+    hidden-states instance (its shard writes fp8), an online one none, and its train job gets the
+    tokenized data and its own server settings while the base trains offline."""
+    cfg = base_test_config(tiny_target)
+    cfg["variants"] = {"default": {}, "online": {"hidden_states": {"mode": "online"}},
+                       "fp8": {"hidden_states": {"storage": "fp8"}}}
+    proc = run_snakemake(tmp_path, cfg, "-n")
+    out = proc.stdout + proc.stderr
+    shards = {dict(w)["hidden_states"] for rule, w in planned_job_set(out) if rule == "hidden_states_shard"}
+    fp8_dir = next(d for d in shards if d != "hidden_states")
+    assert shards == {"hidden_states", fp8_dir} and re.fullmatch(r"hidden_states-[0-9a-f]{10}", fp8_dir)
+    commands = [line for line in out.splitlines() if "train_draft.py" in line or "extract_hidden_states.py" in line]
+
+    def command(*needles):
+        found = [c for c in commands if all(n in c for n in needles)]
+        assert found, needles
+        return found
+
+    r = f"results/{cfg['run_name']}"
+    assert all('"storage": "fp8"' in c for c in command("extract_hidden_states.py", f"{r}/{fp8_dir}/store"))
+    assert all('"storage": "bf16"' in c for c in command("extract_hidden_states.py", f"{r}/hidden_states/store"))
+    (online,) = command("train_draft.py", "drafts/online/")
+    assert '"mode": "online"' in online and f"--data {r}/tokenized/data --token-freq" in online
+    assert "--hs-manifest" not in online
+    (fp8,) = command("train_draft.py", "drafts/fp8/")
+    assert f"--hs-manifest {r}/{fp8_dir}/manifest.json" in fp8
+    (base,) = command("train_draft.py", "drafts/default/")
+    assert '{"mode": "offline"}' in base and f"--hs-manifest {r}/hidden_states/manifest.json" in base
