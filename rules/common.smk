@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shlex
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -294,7 +295,8 @@ def all_outputs():
 
 
 def provenance_chain(variant):
-    """Every provenance.json the draft of `variant` descends from, prompts to draft."""
+    """Every provenance.json the draft of `variant` descends from, prompts to draft (online
+    training has no hidden-states artifact: its train job records the server instead)."""
     return [
         f"{R}/target/provenance.json",
         f"{R}/prompts/train.provenance.json",
@@ -309,3 +311,52 @@ def invoked_as_dry_run():
     return any(a in ("-n", "--dry-run", "--dryrun") or (a.startswith("-") and not a.startswith("--") and "n" in a[1:] and len(a) <= 4 and a[1:].isalpha())
                for a in sys.argv[1:])
 
+
+# --------------------------------------------------------------------------- hidden states for training
+# hidden_states.mode (a variant may set it): offline trains on the files of the variant's
+# hidden_states instance; online on its tokenized data, with a vLLM server train_draft starts
+# and stops itself (no hidden-states instance: stages.trains_online).
+
+
+def hs_online(variant):
+    return stages.trains_online(stages.variant_config(config, variant))
+
+
+def hs_manifest_for(variant):
+    """What the draft's hidden states are checked against: the extraction's manifest, or (online)
+    the train job's record of the server it started."""
+    if hs_online(variant):
+        return f"{R}/drafts/{variant}/hidden_states.json"
+    return f"{R}/{LINEAGE[variant]['hidden_states'].dir}/manifest.json"
+
+
+def train_inputs(wildcards):
+    """input: the target, and the hidden states (offline) or the tokenized data (online)."""
+    inputs = {"target": f"{R}/target/model", "target_manifest": f"{R}/target/manifest.json"}
+    if hs_online(wildcards.variant):
+        return inputs | {"data": variant_file("tokenized", "data")(wildcards),
+                         "token_freq": variant_file("tokenized", "token_freq.pt")(wildcards)}
+    return inputs | {"data": variant_file("hidden_states", "data")(wildcards),
+                     "hs_manifest": variant_file("hidden_states", "manifest.json")(wildcards)}
+
+
+# What online training reads from the hidden_states section (offline: only the mode; the rest
+# is in the manifest of the files it trains on).
+ONLINE_HS_KEYS = ("mode", "storage", "aux_layer_ids", "dtype", "server_gpus", "server_start_timeout_s",
+                  "request_timeout_s")
+
+
+def train_hs_settings(variant):
+    cfg = stages.variant_config(config, variant)
+    if not stages.trains_online(cfg):
+        return stages.settings_json({"mode": "offline"})
+    value = {k: cfg["hidden_states"][k] for k in ONLINE_HS_KEYS}
+    value["trust_remote_code"] = cfg["target"]["trust_remote_code"]
+    return stages.settings_json(value)
+
+
+def train_source_args(wildcards, input):
+    """The inputs that differ by mode, as train_draft.py flags."""
+    if "hs_manifest" in input.keys():
+        return f"--hs-manifest {shlex.quote(input.hs_manifest)}"
+    return f"--token-freq {shlex.quote(input.token_freq)}"

@@ -4,6 +4,8 @@
 # target digest, data digest and layer ids), so reruns validate and keep good files; the
 # gather step assembles speculators' data dir from hard links (no copy of the bytes).
 # {hidden_states} is the instance's directory; it reads the tokenized instance its chain names.
+# Files are written in the storage format (hidden_states.storage: bf16 | fp8). A variant that
+# trains online (hidden_states.mode: online) has no instance here: train_draft asks a vLLM server.
 
 
 rule hidden_states_shard:

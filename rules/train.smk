@@ -3,23 +3,27 @@
 # verification baseline). Epoch checkpoints live in checkpoints/, outside the declared
 # outputs, so an interrupted run resumes from its latest epoch. A variant's draft is built from
 # the stage instances its settings name (variant_file, rules/common.smk).
+# hidden_states.mode: offline trains on the variant's hidden_states instance; online on its
+# tokenized data, with a vLLM server the job starts on its own GPUs (server_gpus of
+# resources.train.gpu) and stops however it ends. hidden_states.json records which (and the
+# server's layer ids).
 
 
 rule train_draft:
     input:
-        target=f"{R}/target/model",
-        target_manifest=f"{R}/target/manifest.json",
-        data=variant_file("hidden_states", "data"),
-        hs_manifest=variant_file("hidden_states", "manifest.json"),
+        unpack(train_inputs),
     output:
         final=directory(f"{R}/drafts/{{variant}}/final"),
         untrained=directory(f"{R}/drafts/{{variant}}/untrained"),
         metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
         provenance=f"{R}/drafts/{{variant}}/provenance.json",
+        hs_record=f"{R}/drafts/{{variant}}/hidden_states.json",
     params:
         script=script("train_draft.py"),
         gpu_wrapper=script("run_on_gpus.py"),
         settings=lambda wc: variant_settings(wc.variant),
+        hs_settings=lambda wc: train_hs_settings(wc.variant),
+        source_args=train_source_args,
         code=code_version("train_draft.py", "run_on_gpus.py"),
         checkpoints=lambda wc: f"{R}/drafts/{wc.variant}/checkpoints",
     conda:
@@ -38,10 +42,10 @@ rule train_draft:
         "python {params.gpu_wrapper} --gpus {resources.gpu} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
-        " --data {input.data} --hs-manifest {input.hs_manifest}"
+        " --data {input.data} {params.source_args} --hs-settings {params.hs_settings:q}"
         " --checkpoints {params.checkpoints} --gpus {resources.gpu} --nodes {resources.nodes}"
         " --final {output.final} --untrained {output.untrained} --metrics {output.metrics}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --hs-record {output.hs_record} > {log} 2>&1"
 
 
 rule load_check:

@@ -8,7 +8,8 @@ rule contract_checks:
         target=f"{R}/target/model",
         target_manifest=f"{R}/target/manifest.json",
         draft=f"{R}/drafts/{{variant}}/final",
-        hs_manifest=variant_file("hidden_states", "manifest.json"),
+        hs_manifest=lambda wc: hs_manifest_for(wc.variant),
+        hs_record=f"{R}/drafts/{{variant}}/hidden_states.json",
         tokenized_stats=variant_file("tokenized", "stats.json"),
     output:
         f"{R}/drafts/{{variant}}/verify/contract.json",
@@ -30,7 +31,7 @@ rule contract_checks:
     shell:
         "python {params.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
-        " --draft {input.draft} --hs-manifest {input.hs_manifest}"
+        " --draft {input.draft} --hs-manifest {input.hs_manifest} --hs-record {input.hs_record}"
         " --tokenized-stats {input.tokenized_stats} --out {output} > {log} 2>&1"
 
 

@@ -12,7 +12,10 @@ inputs other than the draft (manifests, stats) are errors (exit 2).
     python scripts/check_contract.py --settings '{}' --target R/target/model \\
         --target-manifest R/target/manifest.json --draft R/drafts/default/final \\
         --hs-manifest R/hidden_states/manifest.json --tokenized-stats R/tokenized/stats.json \\
-        --out R/drafts/default/verify/contract.json
+        --hs-record R/drafts/default/hidden_states.json --out R/drafts/default/verify/contract.json
+
+With online training (hidden_states.mode: online) --hs-manifest is the train job's
+hidden_states.json too: the layer ids its vLLM server extracted.
 
 Settings (config.yaml `verify`): reference_draft (a checkpoint dir compared side by side;
 differences are reported, they do not fail the contract).
@@ -107,6 +110,7 @@ class Context:
     hs_manifest: dict
     stats: dict
     settings: dict
+    hs_record: dict | None = None   # what train_draft says it trained on (drafts/<v>/hidden_states.json)
     draft_config: dict | None = None
     config_error: str | None = None
     _weights: Any = None
@@ -313,9 +317,14 @@ def check_aux_match(ctx: Context) -> Check:
         raise NotRun("no eagle_aux_hidden_state_layer_ids (see aux_layer_ids.present)")
     expected = ctx.hs_manifest.get("aux_layer_ids")
     ok = ids == expected
-    return Check("aux_layer_ids.match_hidden_states", ok, expected, ids,
-                 "" if ok else "the draft reads other target layers than its training hidden states came from "
-                               "(hidden_states/manifest.json); retrain, or fix the layer ids the draft was saved with")
+    detail = "" if ok else ("the draft reads other target layers than its training hidden states came from "
+                            "(hidden_states/manifest.json); retrain, or fix the layer ids the draft was saved with")
+    server = ctx.hs_manifest.get("server_layer_ids")
+    if ok and server is not None and server != [*ids, ctx.hs_manifest.get("final_layer_id")]:
+        # Online training: the server must have extracted exactly these aux layers, then the final one.
+        ok, detail = False, (f"the online training server extracted layers {server}, not the draft's aux ids "
+                             f"+ the final layer; retrain")
+    return Check("aux_layer_ids.match_hidden_states", ok, expected, ids, detail)
 
 
 @check("hidden_states.target_digest")
@@ -326,6 +335,20 @@ def check_hs_target(ctx: Context) -> Check:
     return Check("hidden_states.target_digest", ok, expected, seen,
                  "" if ok else "the training hidden states were extracted from another target (or its digest "
                                "is missing); rerun hidden-state extraction")
+
+
+def check_read_as_stored(ctx: Context) -> Check:
+    """Training read the hidden states through speculators' transfer for their storage format:
+    fp8 files read as plain files would train on unscaled fp8 values without any error."""
+    from pipeline_lib.hidden_states.formats import FORMATS
+
+    storage = ctx.hs_manifest.get("storage", "bf16")
+    seen = {k: (ctx.hs_record or {}).get(k) for k in ("mode", "storage", "transfer")}
+    expected = {"storage": storage, "transfer": FORMATS[storage].transfer_backend if storage in FORMATS else None}
+    ok = expected["transfer"] is not None and all(seen[k] == v for k, v in expected.items())
+    return Check("hidden_states.read_as_stored", ok, expected, seen,
+                 "" if ok else "the trainer read the hidden states through another transfer than their storage "
+                               "format needs (hidden_states.json vs the hidden-states manifest); retrain")
 
 
 def expected_shapes(ctx: Context) -> tuple[dict[str, list[int]], set[str]]:
@@ -592,6 +615,7 @@ def main() -> int:
     p.add_argument("--draft", required=True, help="draft checkpoint dir (R/drafts/<variant>/final)")
     p.add_argument("--hs-manifest", required=True, help="R/hidden_states/manifest.json")
     p.add_argument("--tokenized-stats", required=True, help="R/tokenized/stats.json")
+    p.add_argument("--hs-record", help="R/drafts/<variant>/hidden_states.json (what training read, and how)")
     p.add_argument("--out", required=True, help="contract.json to write")
     args = p.parse_args()
     runtime.setup()
@@ -601,12 +625,15 @@ def main() -> int:
     ctx = Context(draft=Path(args.draft), target=target, target_config=load_config(target),
                   target_manifest=load_manifest(args.target_manifest),
                   hs_manifest=read_json(args.hs_manifest, "hidden-states manifest"),
-                  stats=read_json(args.tokenized_stats, "tokenized stats"), settings=args.settings)
+                  stats=read_json(args.tokenized_stats, "tokenized stats"), settings=args.settings,
+                  hs_record=read_json(args.hs_record, "training hidden-states record") if args.hs_record else None)
     if not ctx.draft.is_dir():
         raise PipelineError(f"{ctx.draft}: draft dir not found; run the train_draft rule first")
     load_draft_config(ctx)
 
     checks = [run_check(name, fn, ctx) for name, fn in CHECKS]
+    if ctx.hs_record is not None:
+        checks.append(run_check("hidden_states.read_as_stored", check_read_as_stored, ctx))
     reference = None
     if args.settings.get("reference_draft"):
         ref_checks, reference = compare_reference(ctx, args.settings["reference_draft"])
@@ -623,7 +650,8 @@ def main() -> int:
     atomic_write_json(args.out, record)
     prov.write(Path(args.out).with_name(Path(args.out).stem + ".provenance.json"),
                inputs={"target": args.target, "target_manifest": args.target_manifest, "draft": args.draft,
-                       "hs_manifest": args.hs_manifest, "tokenized_stats": args.tokenized_stats},
+                       "hs_manifest": args.hs_manifest, "tokenized_stats": args.tokenized_stats,
+                       **({"hs_record": args.hs_record} if args.hs_record else {})},
                outputs={"contract": args.out})
     for c in record["checks"]:
         mark = {True: "PASS", False: "FAIL", None: "----"}[c["passed"]]

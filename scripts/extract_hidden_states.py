@@ -2,7 +2,8 @@
 """Extract the target's hidden states for one shard of the tokenized dataset.
 
 Shard i of n owns a contiguous row range. Each row's file goes to
-  STORE_DIR/<key>/hs_{row}.safetensors   (token_ids int64 [T], hidden_states [T, n_aux+1, H])
+  STORE_DIR/<key>/hs_{row}.safetensors   (token_ids int64 [T], hidden_states [T, n_aux+1, H],
+                                          + hidden_states_scales [T, 1, 1] with storage fp8)
 where <key> digests the target weights, the tokenized data, the layer ids and the dtype.
 Existing files in the range are validated (readable, token ids, shape, dtype, finite values);
 only missing or bad ones are regenerated. --out records what happened (reused/regenerated
@@ -15,7 +16,8 @@ counts, tokens, bytes, tokens/s, per-file digests) for gather_hidden_states.py.
 Settings (config.yaml `hidden_states`): backend (vllm|transformers), aux_layer_ids (null =
 speculators' default [2, N//2, N-3]), batch_size and batch_tokens (the transformers backend's
 forward passes: at most this many rows and padded tokens; vLLM schedules its own batches),
-dtype, trust_remote_code.
+dtype, storage (bf16 | fp8: hs-connectors' per-token scaled float8 files, about half the
+bytes), trust_remote_code.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from pipeline_lib.hidden_states import (  # noqa: E402
 )
 from pipeline_lib.io import atomic_write_json, free_bytes, reporting_disk_full, require_free_space  # noqa: E402
 from pipeline_lib.provenance import upstream_digest  # noqa: E402
-from pipeline_lib.target import load_manifest, weights_digest  # noqa: E402
+from pipeline_lib.target import loaded_weights_digest  # noqa: E402
 
 log = logging.getLogger("extract_hidden_states")
 PROGRESS_EVERY_S = 30
@@ -67,21 +69,6 @@ def load_rows(data_dir: Path, shard: int, num_shards: int) -> tuple[int, range, 
             raise PipelineError(f"{data_dir}: row {start + offset} has no tokens; drop empty rows when tokenizing")
         rows.append(Row(start + offset, list(ids)))
     return len(ds), range(start, stop), rows
-
-
-def target_digest(target_dir: Path, manifest_path: Path) -> str:
-    """The digest of the weight files this job loads (hashed here, not copied from the
-    manifest: the contract checks compare it with the target stage's). Reading them once
-    more also warms the page cache for the engine's load."""
-    manifest = load_manifest(manifest_path)
-    recorded = manifest.get("weights_digest")
-    if not recorded:
-        raise PipelineError(f"{manifest_path}: no weights_digest; rerun the target rule")
-    loaded = weights_digest(target_dir)
-    if loaded != recorded:
-        raise PipelineError(f"{target_dir}: its weight files differ from the ones in {manifest_path} (the model "
-                            f"dir changed after the target stage); rerun the target stage")
-    return loaded
 
 
 def check_existing(store: HSStore, rows: list[Row]) -> tuple[dict[int, FileRecord], list[Row], dict[str, str]]:
@@ -133,7 +120,7 @@ def main() -> None:
     shard_range(0, args.shard, args.num_shards)  # a bad --shard fails before the data is read
 
     spec = layer_spec(args.target, settings)
-    t_digest = target_digest(args.target, args.manifest)
+    t_digest = loaded_weights_digest(args.target, args.manifest)
     d_digest = upstream_digest(args.data)
     total_rows, row_range, rows = load_rows(args.data, args.shard, args.num_shards)
     key = store_key(t_digest, d_digest, spec)
@@ -173,6 +160,7 @@ def main() -> None:
         "dataset_rows": total_rows,
         "aux_layer_ids": list(spec.aux_layer_ids), "final_layer_id": spec.final_layer_id,
         "hidden_size": spec.hidden_size, "dtype": spec.dtype,
+        "storage": spec.storage, "stored_dtype": spec.format.stored_dtype(spec.dtype),
         "target_digest": t_digest, "data_digest": d_digest,
         "store_key": key, "store_dir": str(store.root),
         "backend": backend_name,

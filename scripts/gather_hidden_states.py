@@ -37,7 +37,7 @@ log = logging.getLogger("gather_hidden_states")
 
 # Every shard of one extraction must agree on these.
 SHARED_KEYS = ("num_shards", "dataset_rows", "aux_layer_ids", "final_layer_id", "hidden_size", "dtype",
-               "target_digest", "data_digest", "store_key", "store_dir")
+               "storage", "stored_dtype", "target_digest", "data_digest", "store_key", "store_dir")
 REQUIRED_KEYS = SHARED_KEYS + ("shard", "row_range", "backend", "rows", "tokens", "bytes", "files", "file_bytes")
 # Hard links fail with these when the store and the output are on different filesystems
 # or the filesystem has no hard links; anything else is a real error.
@@ -168,6 +168,7 @@ def main() -> None:
     manifest = {
         "aux_layer_ids": shared["aux_layer_ids"], "final_layer_id": shared["final_layer_id"],
         "hidden_size": shared["hidden_size"], "dtype": shared["dtype"],
+        "mode": "offline", "storage": shared["storage"], "stored_dtype": shared["stored_dtype"],
         "target_digest": shared["target_digest"], "data_digest": shared["data_digest"],
         "rows": shared["dataset_rows"], "tokens": tokens, "bytes": size,
         "bytes_per_token": size / tokens if tokens else None,
@@ -187,7 +188,7 @@ def main() -> None:
 
 
 def write_provenance(args, shards, shared, backends, data_dir_digest: str, counts: dict) -> None:
-    settings = {k: shared[k] for k in ("aux_layer_ids", "dtype", "num_shards")} | {"backend": "+".join(backends)}
+    settings = {k: shared[k] for k in ("aux_layer_ids", "dtype", "storage", "num_shards")} | {"backend": "+".join(backends)}
     prov = Provenance("hidden_states_gather", settings)
     inputs = {f"shard_{s['shard']}": p for p, s in shards} | {"data": args.data, "token_freq": args.token_freq}
     # The data dir holds every hidden state: its digest comes from the known per-file digests

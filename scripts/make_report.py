@@ -122,6 +122,7 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
                     else val[-1]["epoch"])
     out["selected_epoch"] = selected
     out["selection"] = select
+    out["hidden_states"] = train_prov.get("hidden_states")  # mode, storage, transfer
     sel_row = next((r for r in val if r["epoch"] == selected), None)
     out["selected_val"] = {k: sel_row.get(k) for k in ["loss", *accs]} if sel_row else None
     # What the draft was trained on: the traces' conversation and turn counts.
@@ -339,7 +340,7 @@ def acceptance_sections(acc: dict) -> list[Section]:
     sections = [Section("Acceptance", [
         f"{acc['num_prompts']} eval prompts, k = {k} speculative tokens, greedy, max {acc['max_tokens']} tokens, "
         f"{acc['dtype']}, backend {acc['backend']} ({get_in(acc, 'acceptance', 'trained', 'source')})."
-        + (f" Skipped as longer than the target's context allows: "
+        + (" Skipped as longer than the target's context allows: "
            + ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in acc["prompts_skipped"]) + "."
            if acc.get("prompts_skipped") else "")],
         [Table(["draft", "mean acceptance length", "acceptance rate per position", "drafts", "draft tokens",
@@ -440,7 +441,8 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
              for split in tr.get("splits", [])]
     sections.append(Section("Training", [
         f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
-        f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {})}".rstrip()],
+        f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {})}".rstrip()
+        + (f" Hidden states: {fmt(tr['hidden_states'])}." if tr.get("hidden_states") else "")],
         [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],
         ["Training loss per epoch", "Per-position accuracy per epoch"]))
     sections.append(lineage_section(result["lineage"]))

@@ -26,8 +26,6 @@ the command and exits with the command's exit status.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import fcntl
 import os
 import re
@@ -43,6 +41,7 @@ from typing import Callable, Mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
+from pipeline_lib.processes import parent_death_hook  # noqa: E402
 
 IDS_ENV = "PIPELINE_GPU_IDS"
 LOCK_DIR_ENV = "PIPELINE_GPU_LOCK_DIR"
@@ -52,7 +51,6 @@ DEFAULT_WAIT_S = 3600.0
 POLL_S = 0.25
 # Passed on to the command (SIGINT only when a terminal did not already send it there too).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-PR_SET_PDEATHSIG = 1
 
 
 def log(message: str) -> None:
@@ -315,17 +313,7 @@ def _tty_also_signals_child() -> bool:
 def _die_with_parent_hook() -> Callable[[], None] | None:
     """preexec_fn for the command: if the wrapper dies (even by SIGKILL), its locks are gone,
     so the command must not keep using the devices; the kernel then kills it (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    parent = os.getpid()
-
-    def hook() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the wrapper died before prctl took effect
-            os._exit(1)
-
-    return hook
+    return parent_death_hook(signal.SIGKILL)
 
 
 def run_holding_locks(command: list[str], env: dict[str, str]) -> int:

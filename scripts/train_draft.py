@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Train one EAGLE-3 draft with speculators' own trainer (speculator_type eagle3).
 
-Reads the hidden-states data dir and its manifest (the aux layer ids come only from there),
+Reads the hidden-states data dir and its manifest (the aux layer ids come only from there) or,
+with `hidden_states.mode: online` (--hs-settings), the tokenized data and a vLLM server this job
+starts, asks for each sample's hidden states and stops again (pipeline_lib.hidden_states.training),
 builds the draft vocabulary maps (d2t/t2d) with speculators' vocab-mapping code, and runs
 `speculators.train.cli.main` in this process (CPU or one GPU), under torchrun (one process per
 GPU, or --cpu-processes gloo processes on a machine without GPUs) or under srun + torchrun
@@ -13,10 +15,13 @@ Writes
   --untrained  the same draft and vocab maps before any training step (verification baseline)
   --metrics    CSV, one row per (epoch, split): loss, acc_0..acc_{k-1}, throughput
   --provenance what made them
+  --hs-record  the hidden states it trained on: mode, storage, layer ids (and the server's)
 
     python scripts/train_draft.py --settings '{"epochs": 2, ...}' --target T --target-manifest M \\
         --data D --hs-manifest H --checkpoints C --final F --untrained U --metrics X.csv \\
-        --provenance P.json [--gpus 0] [--nodes 1] [--cpu-processes 1]
+        --provenance P.json [--gpus 0] [--nodes 1] [--cpu-processes 1] [--hs-record R.json]
+    (online: --hs-settings '{"mode": "online", ...}' --data R/tokenized/data
+             --token-freq R/tokenized/token_freq.pt, no --hs-manifest)
 """
 from __future__ import annotations
 
@@ -27,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +43,7 @@ from pipeline_lib import cli, launch, runtime, speculators_cpu  # noqa: E402
 from pipeline_lib import target as target_lib  # noqa: E402
 from pipeline_lib.digests import json_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
+from pipeline_lib.hidden_states.training import trainer_process, training_source  # noqa: E402
 from pipeline_lib.io import (append_jsonl_durable, atomic_dir, atomic_write_bytes,  # noqa: E402
                              atomic_write_json, atomic_write_text, read_json, reporting_disk_full,
                              require_free_space)
@@ -154,32 +159,17 @@ class TrainingInputs:
     data_digest: str | None
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a .safetensors file (tensor names, dtypes, shapes) without the data."""
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 << 20:
-                raise ValueError("header larger than 100 MiB")
-            return json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as err:
-        raise PipelineError(f"{path}: not a readable safetensors file ({err}); re-run the "
-                            f"hidden_states stage for this row") from None
-
-
-def check_inputs(args, settings: TrainSettings) -> TrainingInputs:
-    """Refuse to train on inputs that would silently produce a wrong or useless draft."""
+def check_inputs(args, settings: TrainSettings, source) -> TrainingInputs:
+    """Refuse to train on inputs that would silently produce a wrong or useless draft. `source`
+    (offline files or an online server) describes the hidden states like the offline manifest."""
     target_dir, data_dir = Path(args.target), Path(args.data)
-    hs_path, tm_path = Path(args.hs_manifest), Path(args.target_manifest)
+    tm_path = Path(args.target_manifest)
     target_manifest = target_lib.load_manifest(tm_path)
-    hs = read_json(hs_path, "hidden-states manifest")
     config = target_lib.text_config(target_lib.load_config(target_dir))
-
-    for key in ("aux_layer_ids", "final_layer_id", "hidden_size", "target_digest", "rows", "files"):
-        if key not in hs:
-            raise PipelineError(f"{hs_path}: key '{key}' is missing; re-run the hidden_states stage")
     if "weights_digest" not in target_manifest:
         raise PipelineError(f"{tm_path}: key 'weights_digest' is missing; re-run the target stage")
+    hs = source.describe(target_dir, target_manifest)
+    hs_path = source.where
 
     if hs["target_digest"] != target_manifest["weights_digest"]:
         raise PipelineError(
@@ -208,7 +198,7 @@ def check_inputs(args, settings: TrainSettings) -> TrainingInputs:
         raise PipelineError(f"{hs_path}: the dataset is empty (rows = 0): nothing to train on; check "
                             f"the traces/tokenize stages (all rows failed or were dropped?)")
     seq_lens = _check_dataset(data_dir, rows, hs_path)
-    _check_hidden_state_files(data_dir, hs, seq_lens, len(aux), hidden, hs_path)
+    source.check_files(hs, seq_lens, len(aux) + 1, hidden)
 
     train_rows = int(rows * settings.train_data_ratio)
     if not 0 < train_rows < rows:
@@ -221,7 +211,7 @@ def check_inputs(args, settings: TrainSettings) -> TrainingInputs:
                           target_digest=hs["target_digest"], data_digest=hs.get("data_digest"))
 
 
-def _check_dataset(data_dir: Path, rows: int, hs_path: Path) -> list[int]:
+def _check_dataset(data_dir: Path, rows: int, hs_path: str) -> list[int]:
     from datasets import load_from_disk
 
     try:
@@ -247,35 +237,6 @@ def _check_dataset(data_dir: Path, rows: int, hs_path: Path) -> list[int]:
         raise PipelineError(f"{data_dir}: input_ids are {dtype}, speculators needs int64; re-run the "
                             f"tokenize stage")
     return [int(n) for n in ds.with_format(None)["seq_len"]]
-
-
-def _check_hidden_state_files(data_dir: Path, hs: dict, seq_lens: list[int], n_aux: int,
-                              hidden: int, hs_path: Path) -> None:
-    rows = len(seq_lens)
-    expected = {f"hs_{i}.safetensors" for i in range(rows)}
-    listed = set(hs["files"])
-    if listed != expected:
-        missing, extra = sorted(expected - listed)[:3], sorted(listed - expected)[:3]
-        raise PipelineError(f"{hs_path}: 'files' lists {len(listed)} hidden-state files for {rows} rows "
-                            f"(missing e.g. {missing}, unexpected e.g. {extra}); re-run the hidden_states stage")
-    hs_dir = data_dir / "hidden_states"
-    present = {p.name for p in hs_dir.glob("hs_*.safetensors")} if hs_dir.is_dir() else set()
-    if present != expected:
-        missing = sorted(expected - present, key=lambda n: int(n[3:-12]))[:3]
-        extra = sorted(present - expected)[:3]
-        raise PipelineError(f"{hs_dir}: {len(present)} hidden-state files for {rows} rows (missing e.g. "
-                            f"{missing}, unexpected e.g. {extra}); re-run the hidden_states stage")
-    for i, seq_len in enumerate(seq_lens):
-        path = hs_dir / f"hs_{i}.safetensors"
-        header = read_safetensors_header(path)
-        tokens = header.get("token_ids", {}).get("shape")
-        states = header.get("hidden_states", {}).get("shape")
-        if tokens != [seq_len] or states != [seq_len, n_aux + 1, hidden]:
-            raise PipelineError(
-                f"{path}: token_ids shape {tokens}, hidden_states shape {states}; row {i} needs "
-                f"[{seq_len}] and [{seq_len}, {n_aux + 1}, {hidden}] (aux_layer_ids "
-                f"{hs['aux_layer_ids']} + the final layer, per {hs_path}); the files were extracted "
-                f"with other layers: re-run the hidden_states stage")
 
 
 # ------------------------------------------------------------------------- checkpoints dir
@@ -314,13 +275,15 @@ def _is_saved(epoch_dir: Path) -> bool:
     return isinstance(state, dict) and state.get("epoch") == int(epoch_dir.name) and not state.get("local_step")
 
 
-def trajectory_fingerprint(settings: TrainSettings, inputs: TrainingInputs) -> dict[str, Any]:
+def trajectory_fingerprint(settings: TrainSettings, inputs: TrainingInputs,
+                           source: dict[str, Any]) -> dict[str, Any]:
     """Everything that shapes the training trajectory: the settings (the schedule's length,
-    `epochs`, included), the inputs' digests and the trainer version."""
+    `epochs`, included), the inputs' digests, how the hidden states are stored and served
+    (`source`: the training source's fingerprint) and the trainer version."""
     return {**{k: v for k, v in settings.as_dict().items() if k not in NOT_IN_FINGERPRINT},
             "target_digest": inputs.target_digest, "data_digest": inputs.data_digest,
             "rows": inputs.rows, "aux_layer_ids": inputs.aux_layer_ids,
-            "speculators": speculators_cpu.installed_version()}
+            "speculators": speculators_cpu.installed_version(), **source}
 
 
 def prepare_checkpoints(ckpt: Path, fingerprint: dict, epochs: int, extend_epochs: bool = False) -> int | None:
@@ -480,7 +443,8 @@ def write_vocab_maps(token_freq_path: Path, draft_vocab: int, target_vocab: int,
 
 def trainer_argv(settings: TrainSettings, inputs: TrainingInputs, target: Path, data: Path,
                  ckpt: Path, d2t: Path, t2d: Path) -> list[str]:
-    """speculators train flags for this variant (`speculators train --help` lists them)."""
+    """speculators train flags for this variant (`speculators train --help` lists them), except
+    the hidden-states data flags (the source's serving() gives those)."""
     s = settings
     return [
         "--speculator-type", "eagle3",
@@ -506,9 +470,9 @@ def trainer_argv(settings: TrainSettings, inputs: TrainingInputs, target: Path, 
         # Every epoch is saved (so the last one is too: with N > 1 speculators skips epochs
         # where N doesn't divide epoch+1) and is a resume point.
         "--checkpoint-freq", "1",
-        # A missing hidden-state file is an error here, never a call to a vLLM server.
-        "--on-missing", "raise",
         "--log-freq", "1",
+        # How the hidden states are read (transfer backend, --on-missing, a server endpoint)
+        # is added by the hidden-states source while it serves them.
     ]
 
 
@@ -610,7 +574,8 @@ def run_worker(spec_path: str) -> None:
     spec = read_json(spec_path, "trainer worker spec")
     runtime.setup()
     install_logging(Path(spec["metrics_log"]))
-    run_trainer(spec["argv"], on_cpu=spec["on_cpu"])
+    with trainer_process(spec["argv"]):  # online: SIGTERM from torchrun stops it cleanly
+        run_trainer(spec["argv"], on_cpu=spec["on_cpu"])
 
 
 def build_untrained(argv: list[str], build_dir: Path, on_cpu: bool) -> Path:
@@ -702,11 +667,16 @@ def parse_args():
     p.add_argument("--untrained", help="output: the same draft before training")
     p.add_argument("--metrics", help="output: per-(epoch, split) metrics CSV")
     p.add_argument("--provenance", help="output: provenance.json")
+    p.add_argument("--hs-settings", type=cli.json_object, default={"mode": "offline"},
+                   help="JSON: config.yaml `hidden_states` (mode, storage, and for online mode aux_layer_ids, "
+                        "dtype, server_gpus, server_start_timeout_s, request_timeout_s)")
+    p.add_argument("--token-freq", help="token_freq.pt for the draft vocabulary (default: DATA/token_freq.pt)")
+    p.add_argument("--hs-record", help="output: the hidden states trained on (mode, storage, layer ids)")
     p.add_argument("--trainer-worker", help=argparse.SUPPRESS)  # set by launch for torchrun processes
     args = p.parse_args()
     if not args.trainer_worker:
-        required = ("target", "target_manifest", "data", "hs_manifest", "checkpoints", "final",
-                    "untrained", "metrics", "provenance")
+        required = ("target", "target_manifest", "data", "checkpoints", "final", "untrained", "metrics",
+                    "provenance")
         missing = ["--" + k.replace("_", "-") for k in required if not getattr(args, k)]
         if missing:
             p.error(f"the following arguments are required: {', '.join(missing)}")
@@ -777,19 +747,22 @@ def main() -> int | None:
         return run_worker(args.trainer_worker)
 
     settings = TrainSettings.from_dict(args.settings)
-    mode = launch.select_mode(args.gpus, args.nodes, args.cpu_processes)
-    on_cpu = select_device(args.gpus)
+    source = training_source(args, args.hs_settings)  # offline files or an online vLLM server
+    gpus = source.claim_devices(args.gpus)             # online: the server's GPUs are not the trainer's
+    mode = launch.select_mode(gpus, args.nodes, args.cpu_processes)
+    on_cpu = select_device(gpus)
     check_device_settings(settings, on_cpu)
     prov = Provenance("train_draft", settings.as_dict())
-    inputs = check_inputs(args, settings)
+    inputs = check_inputs(args, settings, source)
     log(f"{inputs.rows} rows ({inputs.train_rows} train), {inputs.tokens} tokens, aux layers "
-        f"{inputs.aux_layer_ids} from {args.hs_manifest}; device {'cpu' if on_cpu else 'cuda'}, launch {mode}")
+        f"{inputs.aux_layer_ids} from {source.where}; hidden states {source.mode}, storage {source.storage}; "
+        f"device {'cpu' if on_cpu else 'cuda'}, launch {mode}")
 
     ckpt, target, data = Path(args.checkpoints), Path(args.target), Path(args.data)
-    resumed_after = prepare_checkpoints(ckpt, trajectory_fingerprint(settings, inputs), settings.epochs,
-                                        settings.extend_epochs)
-    d2t, t2d = write_vocab_maps(data / "token_freq.pt", settings.draft_vocab_size,
-                                inputs.target_vocab_size, ckpt / "vocab")
+    resumed_after = prepare_checkpoints(ckpt, trajectory_fingerprint(settings, inputs, source.fingerprint()),
+                                        settings.epochs, settings.extend_epochs)
+    d2t, t2d = write_vocab_maps(Path(args.token_freq) if args.token_freq else data / "token_freq.pt",
+                                settings.draft_vocab_size, inputs.target_vocab_size, ckpt / "vocab")
     argv = trainer_argv(settings, inputs, target, data, ckpt, d2t, t2d)
     metrics_log = ckpt / METRICS_LOG
     install_logging(metrics_log)
@@ -797,7 +770,7 @@ def main() -> int | None:
     # The untrained baseline first: cheap, and it proves the flags before hours of training.
     untrained_src = build_untrained(argv, ckpt / UNTRAINED_BUILD, on_cpu)
     plan = launch.plan(launch.LaunchRequest(
-        gpus=args.gpus, nodes=args.nodes, cpu_processes=args.cpu_processes,
+        gpus=gpus, nodes=args.nodes, cpu_processes=args.cpu_processes,
         worker=[str(Path(__file__).resolve()), "--trainer-worker", str((ckpt / WORKER_SPEC).resolve())]))
     # Every epoch's checkpoint stays until training ends (keep_last prunes afterwards).
     per_epoch = epoch_checkpoint_bytes(untrained_src)
@@ -808,7 +781,9 @@ def main() -> int | None:
     try:
         with reporting_disk_full(ckpt, what, remaining * per_epoch, per_epoch,
                                  "training resumes after the last complete epoch"):
-            train(plan, argv, ckpt, metrics_log, on_cpu, args.gpus)
+            with source.serving(log) as data_flags:  # online: the server runs exactly this long
+                argv += data_flags
+                train(plan, argv, ckpt, metrics_log, on_cpu, gpus)
     except PipelineError:
         remove_incomplete_epochs(ckpt)  # a half-written epoch is never resumed; give its space back
         raise
@@ -822,15 +797,21 @@ def main() -> int | None:
     pruned = prune(ckpt, settings.keep_last, {best} if best is not None else set())
 
     summary = val_summary(df, selected, settings.ttt_steps)
-    prov.write(args.provenance,
-               inputs={"target": args.target, "target_manifest": args.target_manifest,
-                       "data": args.data, "hs_manifest": args.hs_manifest},
-               outputs={"final": args.final, "untrained": args.untrained, "metrics": args.metrics},
+    hs_record = source.record()
+    outputs = {"final": args.final, "untrained": args.untrained, "metrics": args.metrics}
+    if args.hs_record:
+        atomic_write_json(args.hs_record, hs_record)
+        outputs["hs_record"] = args.hs_record
+    inputs_used = {"target": args.target, "target_manifest": args.target_manifest, "data": args.data}
+    if args.hs_manifest:
+        inputs_used["hs_manifest"] = args.hs_manifest
+    prov.write(args.provenance, inputs=inputs_used, outputs=outputs,
                selected_epoch=selected, best_epoch=best, resumed_after_epoch=resumed_after,
                training_history=training_history(ckpt),
                train_wall_s=round(train_s, 3), aux_layer_ids=inputs.aux_layer_ids,
                draft_vocab_size=settings.draft_vocab_size, checkpoints=pruned, trainer_argv=argv,
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},
+               hidden_states={k: hs_record.get(k) for k in ("mode", "storage", "transfer")},
                **summary)
     log(f"final/ = epoch {selected} ({settings.select}); " +
         ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))

@@ -196,6 +196,12 @@ CASES = {
     "new_train_variant": (lambda c: c["variants"].update({"v2": {"draft_layers": 2}}), draft_jobs("v2") | COMPARE),
     "new_variant_same_upstream_values": (
         _upstream_variant("generation", {"max_tokens": 24, "temperature": 0.0}), draft_jobs("v2") | COMPARE),
+    # Online training: train and after rerun; nothing upstream (the hidden-state jobs leave the DAG).
+    "mode_online": (lambda c: c["hidden_states"].update(mode="online"), AFTER_TRAIN),
+    "storage_fp8": (lambda c: c["hidden_states"].update(storage="fp8"), AFTER_HIDDEN),
+    "online_only_key_offline": (lambda c: c["hidden_states"].update(server_start_timeout_s=60), set()),
+    # A variant training online: its own draft jobs only (no hidden-states instance at all).
+    "online_variant": (_upstream_variant("hidden_states", {"mode": "online"}), draft_jobs("v2") | COMPARE),
 }
 
 

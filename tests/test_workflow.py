@@ -5,10 +5,12 @@ import re
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import PY, REPO, run_snakemake, write_config
+from conftest import PY, REPO, base_test_config, run_snakemake, with_defaults, write_config
+from pipeline_lib.plan import format_plan, make_plan
 
 EXPECTED_JOBS_TEST = {
     "target": 1, "prompts_train": 1, "prompts_eval": 1, "traces_shard": 2, "traces_gather": 1,
@@ -159,6 +161,9 @@ def test_kimi_scale_plan_is_fast_and_right(tmp_path, test_config):
     assert "traces_shard           x1000  64 / 900000 / 600 / 8" in err
     # 100k x 2304 tokens x 57,344 B = 13.2 TB: more than this disk has, and the plan says so.
     assert "13.2 TB" in err and "DOES NOT FIT" in err
+    # Each way to keep the hidden states, priced (test_kimi_scale_plan_prices_each_hidden_state_option).
+    assert re.search(r"offline bf16 .* GPU-h .*<- configured", err) and re.search(r"offline fp8 .* GPU-h", err)
+    assert re.search(r"online .* GPU-h", err)
 
 
 def test_self_vs_dataset_ablation_config_shares_target_and_prompts_only(tmp_path):
@@ -187,3 +192,93 @@ def test_self_vs_dataset_ablation_config_shares_target_and_prompts_only(tmp_path
         assert sorted(w["variant"] for w in by_rule[rule]) == ["dataset-answers", "self-generated"], rule
     assert '"source": "dataset"' in proc.stdout and "answered_only" in proc.stdout
     assert not (tmp_path / "results").exists()
+
+
+KIMI_SHAPE = {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840, "intermediate_size": 18432}
+
+
+def kimi_config(tiny_target: Path, **hs) -> dict:
+    """The Kimi-K2.5-scale run of test_kimi_scale_plan_is_fast_and_right, training on 8 GPUs."""
+    cfg = base_test_config(tiny_target)
+    cfg["prompts"]["train"]["num_samples"] = 100_000
+    cfg["generation"].update(max_tokens=2048)
+    cfg["tokenize"]["max_seq_len"] = 4096
+    cfg["hidden_states"].update({"aux_layer_ids": [2, 30, 58], "dtype": "bfloat16", "mode": "offline",
+                                 "storage": "bf16", "server_gpus": 2, **hs})
+    cfg["train"].update(draft_vocab_size=32000, keep_last=2, epochs=10, num_workers=4)
+    cfg["resources"] = {"train": {"gpu": 8}}
+    cfg["plan"] = {"target_shape": KIMI_SHAPE, "avg_prompt_tokens": 256, "disk_free_bytes": 10 * 10**12}
+    return with_defaults(cfg)
+
+
+def test_kimi_scale_plan_prices_each_hidden_state_option(tiny_target, tmp_path):
+    """230.4M training tokens x 4 layers x 7168: bf16 57,344 B/token (13.2 TB), fp8 28,676 B/token;
+    on a 10 TB filesystem offline bf16 does not fit (2x margin), fp8 does not either, online does
+    and costs the server's GPU time."""
+    tokens = 100_000 * min(256 + 2048, 4096)
+    plan = make_plan(kimi_config(tiny_target), tmp_path)
+    opts = plan["hidden_state_options"]
+    assert opts["offline bf16"]["hidden_state_bytes"] == tokens * 4 * 7168 * 2
+    assert opts["offline fp8"]["hidden_state_bytes"] == tokens * (4 * 7168 + 4)
+    assert opts["online"]["hidden_state_bytes"] == 0 and opts["online"]["disk_bytes"] == plan["checkpoint_bytes_total"]
+    assert [name for name, o in opts.items() if o["fits"]] == ["online"] and not plan["fits_disk"]
+    # Online, 8 GPUs = 2 server + 6 trainer; 10 epochs; overlapped (num_workers > 0):
+    # max(train 2.304e9/60000/3600/6, extract 2.304e9/40000/3600/2) = 8.0 h on 8 GPUs = 64 GPU-h.
+    assert opts["online"]["gpu_hours_train"] == pytest.approx(64.0, abs=0.01)
+    assert opts["offline bf16"]["gpu_hours_train"] == pytest.approx(tokens * 10 / 60000 / 3600, abs=0.01)
+    text = format_plan(plan)
+    assert "what fits instead: online (hidden_states: {mode: online, storage: bf16 or fp8})" in text
+    assert f"{opts['online']['gpu_hours_total'] - opts['offline bf16']['gpu_hours_total']:+.1f} vs offline bf16" in text
+
+    # With 20 TB free, fp8 (2 x 6.6 TB + checkpoints) fits at no extra GPU time.
+    cfg = kimi_config(tiny_target)
+    cfg["plan"]["disk_free_bytes"] = 20 * 10**12
+    text = format_plan(make_plan(cfg, tmp_path))
+    assert "what fits instead: offline fp8" in text and "(+0.0 vs offline bf16)" in text
+
+    # Configured online: no hidden-state jobs, nothing on disk, the online GPU-hours.
+    plan = make_plan(kimi_config(tiny_target, mode="online"), tmp_path)
+    assert plan["jobs"]["hidden_states_shard"] == 0 and plan["hidden_state_bytes"] == 0 and plan["fits_disk"]
+    assert plan["gpu_hours"]["train"] == pytest.approx(64.0, abs=0.01) and plan["gpu_hours"]["hidden_states"] == 0
+    assert "nothing on disk" in format_plan(plan)
+
+
+def test_online_mode_dag_has_no_hidden_state_jobs(tiny_target, tmp_path):
+    cfg = base_test_config(tiny_target)
+    cfg["hidden_states"].update(mode="online", storage="fp8")
+    proc = run_snakemake(tmp_path, cfg, "-n")
+    jobs = planned_jobs(proc.stdout + proc.stderr)
+    assert "hidden_states_shard" not in jobs and "hidden_states_gather" not in jobs
+    assert jobs["train_draft"] == 1 and jobs["contract_checks"] == 1
+    assert "hidden states: online" in proc.stderr
+
+
+def test_variants_may_train_online_or_on_fp8_files(tiny_target, tmp_path):
+    """mode and storage are hidden_states keys a variant may set: an fp8 variant gets its own
+    hidden-states instance (its shard writes fp8), an online one none, and its train job gets the
+    tokenized data and its own server settings while the base trains offline."""
+    cfg = base_test_config(tiny_target)
+    cfg["variants"] = {"default": {}, "online": {"hidden_states": {"mode": "online"}},
+                       "fp8": {"hidden_states": {"storage": "fp8"}}}
+    proc = run_snakemake(tmp_path, cfg, "-n")
+    out = proc.stdout + proc.stderr
+    shards = {dict(w)["hidden_states"] for rule, w in planned_job_set(out) if rule == "hidden_states_shard"}
+    fp8_dir = next(d for d in shards if d != "hidden_states")
+    assert shards == {"hidden_states", fp8_dir} and re.fullmatch(r"hidden_states-[0-9a-f]{10}", fp8_dir)
+    commands = [line for line in out.splitlines() if "train_draft.py" in line or "extract_hidden_states.py" in line]
+
+    def command(*needles):
+        found = [c for c in commands if all(n in c for n in needles)]
+        assert found, needles
+        return found
+
+    r = f"results/{cfg['run_name']}"
+    assert all('"storage": "fp8"' in c for c in command("extract_hidden_states.py", f"{r}/{fp8_dir}/store"))
+    assert all('"storage": "bf16"' in c for c in command("extract_hidden_states.py", f"{r}/hidden_states/store"))
+    (online,) = command("train_draft.py", "drafts/online/")
+    assert '"mode": "online"' in online and f"--data {r}/tokenized/data --token-freq" in online
+    assert "--hs-manifest" not in online
+    (fp8,) = command("train_draft.py", "drafts/fp8/")
+    assert f"--hs-manifest {r}/{fp8_dir}/manifest.json" in fp8
+    (base,) = command("train_draft.py", "drafts/default/")
+    assert '{"mode": "offline"}' in base and f"--hs-manifest {r}/hidden_states/manifest.json" in base

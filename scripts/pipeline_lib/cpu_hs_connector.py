@@ -6,10 +6,15 @@ without CUDA that crashes the engine at the first finished request (`pin_memory=
 requires a CUDA or other accelerator backend`). On CPU the cache already lives in host
 memory, so this subclass replaces only that one method with a synchronous copy and write.
 
-vLLM loads it by name in the engine's own processes:
+CpuFP8HiddenStatesConnector is the same for `hidden_states.storage: fp8`: the synchronous copy
+from here, then hs-connectors' own FP8HiddenStatesConnector write step (its per-token fp8
+quantization and file layout), through the method resolution order.
+
+vLLM loads them by name in the engine's own processes:
     kv_transfer_config = {"kv_connector": "CpuHiddenStatesConnector",
                           "kv_connector_module_path": "pipeline_lib.cpu_hs_connector", ...}
-so `scripts/` must be on PYTHONPATH for those processes (hidden_states.VllmBackend sets it).
+so `scripts/` must be on PYTHONPATH for those processes (hidden_states.VllmBackend and the
+online-training server set it).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import fcntl
 import os
 
 import torch
-from safetensors.torch import save_file
+from hs_connectors.fp8_hidden_states_connector import FP8HiddenStatesConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -26,10 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 
 class _CopyDone:
-    """Stands in for the CUDA event that get_finished() polls: the copy is already done."""
+    """Stands in for the CUDA event that get_finished() polls and the writer waits on: the
+    copy is already done."""
 
     def query(self) -> bool:
         return True
+
+    def synchronize(self) -> None:
+        pass
 
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -51,10 +60,13 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         if lock_fd is None and self.use_lock:
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        try:
-            save_file(tensors, pending.filename)
-        finally:
-            if lock_fd is not None:
-                os.close(lock_fd)  # releases LOCK_EX: readers waiting on the lock proceed
+        # The class's own write step, here in this thread: it saves the file, then closes lock_fd,
+        # which releases LOCK_EX so readers waiting on the lock proceed.
+        done = _CopyDone()
+        self._write_tensors(tensors, done, pending.filename, lock_fd)
         # get_finished() reports a request as sent only once its copy event is tracked.
-        self._req_copy_events[pending.req_id] = _CopyDone()
+        self._req_copy_events[pending.req_id] = done
+
+
+class CpuFP8HiddenStatesConnector(CpuHiddenStatesConnector, FP8HiddenStatesConnector):
+    """The synchronous CPU copy above, then hs-connectors' FP8 write (quantize, save, unlock)."""

@@ -16,6 +16,7 @@ from typing import Callable, Mapping
 from .errors import PipelineError
 
 DEFAULT_RDZV_PORT = 29500
+TERMINATE_GRACE_S = 150  # > speculators' 120 s interrupt-save watchdog
 
 
 @dataclass(frozen=True)
@@ -133,5 +134,16 @@ def first_host(nodelist: str) -> str:
 def run(launch: LaunchPlan) -> int:
     """Run a planned command, streaming its output into this job's log; returns its exit code."""
     print("launching: " + " ".join(launch.command), flush=True)
-    proc = subprocess.run(launch.command, env={**os.environ, **launch.env})
-    return proc.returncode
+    proc = subprocess.Popen(launch.command, env={**os.environ, **launch.env})
+    try:
+        return proc.wait()
+    except BaseException:
+        # This job is stopping (a signal, or online training's server died): SIGTERM lets
+        # torchrun stop its workers (speculators saves a checkpoint on it), SIGKILL if it hangs.
+        proc.terminate()
+        try:
+            proc.wait(timeout=TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise

@@ -2,7 +2,14 @@
 and GPU-hours per stage, and whether the bytes fit the free disk under results/.
 
 Estimates are upper bounds where the pipeline caps (every answer hits max_tokens, every row
-hits max_seq_len); the README says how far the demo's estimate was from the measured bytes."""
+hits max_seq_len); the README says how far the demo's estimate was from the measured bytes.
+
+Hidden states can be kept three ways (hidden_states.mode / storage); the plan prices each, disk
+and GPU-hours, and says which fits when the configured one does not:
+- offline bf16: files in the extraction dtype, extracted once;
+- offline fp8: hs-connectors' fp8 files, about half the bytes, the same GPU time;
+- online: no files; a vLLM server on server_gpus of the training job re-extracts every row
+  every epoch, and holds its GPUs for the whole training."""
 from __future__ import annotations
 
 import json
@@ -10,9 +17,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .stages import STAGES, plan_instances, variant_config
+from .hidden_states.formats import FORMATS
+from .stages import STAGES, plan_instances, trains_online, variant_config
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Throughputs used when the config gives none: per GPU, measured on one H200 (see README).
 DEFAULT_THROUGHPUT = {
     "generation_tokens_per_s": 2000.0,
@@ -89,24 +96,33 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     row_tokens = min(avg_prompt * turns + gen["max_tokens"] * turns, tok["max_seq_len"])
     train_tokens = n_prompts * row_tokens
     n_aux = len(hs["aux_layer_ids"]) if hs.get("aux_layer_ids") else 3
+    mode, storage = hs.get("mode", "offline"), hs.get("storage", "bf16")
+    per_token = {name: fmt.bytes_per_token(n_aux + 1, hidden, hs["dtype"]) if hidden else None
+                 for name, fmt in FORMATS.items()}
     hs_bytes = None
     if hidden:
-        hs_bytes = train_tokens * (n_aux + 1) * hidden * DTYPE_BYTES[hs["dtype"]]
+        hs_bytes = train_tokens * per_token[storage]
     else:
         notes.append("target hidden size unknown until the target is materialized (or set plan.target_shape)")
 
     variants = {}
     ckpt_total = 0
+    train_res = {**(config.get("resources", {}).get("default") or {}), **(config.get("resources", {}).get("train") or {})}
     _, instances = plan_instances(config)
     for name in sorted(config["variants"]):
-        t = variant_config(config, name)["train"]
+        cfg = variant_config(config, name)
+        t = cfg["train"]
         params = draft_parameters(hidden, vocab or t["draft_vocab_size"], t["draft_vocab_size"], t["draft_layers"],
                                   shape.get("intermediate_size")) if hidden else None
         # bf16 weights per kept epoch + fp32 Adam moments (2x4 bytes) in the latest only.
         ckpt = params * 2 * t["keep_last"] + params * 8 if params else None
         gpu_h = train_tokens * t["epochs"] / throughput["train_tokens_per_s"] / 3600
+        online_h = online_train_gpu_hours(train_tokens, t, cfg["hidden_states"], train_res, throughput)
         variants[name] = {"draft_parameters": params, "checkpoint_bytes": ckpt, "epochs": t["epochs"],
-                          "train_gpu_hours": round(gpu_h, 3)}
+                          "hidden_states_mode": cfg["hidden_states"]["mode"],
+                          "offline_train_gpu_hours": round(gpu_h, 3), "online_train_gpu_hours": round(online_h, 3),
+                          # what this variant's own mode costs
+                          "train_gpu_hours": round(online_h if trains_online(cfg) else gpu_h, 3)}
         ckpt_total += ckpt or 0
 
     res = config.get("resources", {})
@@ -130,13 +146,20 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         notes.append("variants with their own upstream settings add " + ", ".join(f"{n} {stage}" for stage, n in extra.items())
                      + " instance(s): the traces and hidden-state tokens, bytes and GPU-hours above are the base "
                        "config's, for one instance each")
+    extraction_h = round(train_tokens / throughput["extraction_tokens_per_s"] / 3600, 3)
     gpu_hours = {
         "traces": round(completion_tokens / throughput["generation_tokens_per_s"] / 3600, 3),
-        "hidden_states": round(train_tokens / throughput["extraction_tokens_per_s"] / 3600, 3),
+        # no extraction when every variant trains online (no hidden-states instance)
+        "hidden_states": extraction_h if per_stage["hidden_states"] else 0.0,
         "train": round(sum(v["train_gpu_hours"] for v in variants.values()), 3),
     }
-    estimated_bytes = (hs_bytes or 0) * 2 + ckpt_total  # store + (hard-linked) data dir ~ 1x; 2x margin
-    free = shutil.disk_usage(results_dir if results_dir.exists() else Path(".")).free
+    free = plan_cfg.get("disk_free_bytes")
+    if free is None:
+        free = shutil.disk_usage(results_dir if results_dir.exists() else Path(".")).free
+    options = hidden_state_options(train_tokens, per_token, ckpt_total, gpu_hours["traces"], extraction_h,
+                                   variants, free)
+    chosen = option_name(mode, storage)
+    estimated_bytes = options[chosen]["disk_bytes"]
     plan = {
         "run_name": config["run_name"],
         "target_shape": shape,
@@ -145,8 +168,11 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         "prompts": n_prompts,
         "trace_completion_tokens_max": completion_tokens,
         "train_tokens_max": train_tokens,
-        "hidden_state_bytes": hs_bytes,
-        "hidden_state_bytes_per_token": (n_aux + 1) * hidden * DTYPE_BYTES[hs["dtype"]] if hidden else None,
+        "hidden_states_mode": mode,
+        "hidden_states_storage": storage,
+        "hidden_state_bytes": 0 if mode == "online" else hs_bytes,
+        "hidden_state_bytes_per_token": per_token[storage],
+        "hidden_state_options": options,
         "variants": variants,
         "checkpoint_bytes_total": ckpt_total,
         "gpu_hours": gpu_hours,
@@ -158,7 +184,56 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     if not plan["fits_disk"]:
         notes.append(f"estimated {human_bytes(estimated_bytes)} (hidden states + checkpoints, with margin) "
                      f"exceeds the {human_bytes(free)} free under {results_dir}: free space or move results/")
+        fitting = [name for name, o in options.items() if o["fits"]]
+        base = options[chosen]["gpu_hours_total"]
+        if fitting:
+            notes.append("what fits instead: " + "; ".join(
+                f"{name} (hidden_states: {{mode: {o['mode']}, storage: {o['storage']}}}) needs "
+                f"{human_bytes(o['disk_bytes'])} and {o['gpu_hours_total']} GPU-hours "
+                f"({o['gpu_hours_total'] - base:+.1f} vs {chosen})" for name, o in
+                ((n, options[n]) for n in fitting)))
+        else:
+            notes.append("no hidden-state option fits: even online training needs "
+                         f"{human_bytes(options['online']['disk_bytes'])} for checkpoints")
     return plan
+
+
+def option_name(mode: str, storage: str) -> str:
+    return "online" if mode == "online" else f"offline {storage}"
+
+
+def online_train_gpu_hours(train_tokens: int, train: dict, hs: dict, res: dict, throughput: dict) -> float:
+    """GPU-hours of one online training job: the trainer's work, plus the server re-extracting
+    every row (train and validation) every epoch, with the server's GPUs held the whole time.
+    With dataloader workers the two overlap (the slower one sets the pace); without, they add."""
+    server = max(1, hs.get("server_gpus") or 0)
+    trainer = max(1, (res.get("gpu") or 0) - (hs.get("server_gpus") or 0))
+    tokens = train_tokens * train["epochs"]
+    train_h = tokens / throughput["train_tokens_per_s"] / 3600 / trainer
+    extract_h = tokens / throughput["extraction_tokens_per_s"] / 3600 / server
+    wall = max(train_h, extract_h) if train.get("num_workers", 0) > 0 else train_h + extract_h
+    return wall * (trainer + server)
+
+
+def hidden_state_options(train_tokens: int, per_token: dict, ckpt_total: int, traces_h: float, extraction_h: float,
+                         variants: dict, free: int) -> dict[str, dict]:
+    """Disk and GPU-hours of each way to keep hidden states (offline per storage format, online),
+    as if every variant used it."""
+    offline_train = round(sum(v["offline_train_gpu_hours"] for v in variants.values()), 3)
+    offline_gpu_h = traces_h + extraction_h + offline_train
+    online_train = round(sum(v["online_train_gpu_hours"] for v in variants.values()), 3)
+    options = {}
+    for storage, bpt in per_token.items():
+        disk = (train_tokens * bpt if bpt else 0) * 2 + ckpt_total  # store + (hard-linked) data dir ~ 1x; 2x margin
+        options[option_name("offline", storage)] = {
+            "mode": "offline", "storage": storage, "hidden_state_bytes": train_tokens * bpt if bpt else None,
+            "disk_bytes": disk, "gpu_hours_train": offline_train,
+            "gpu_hours_total": round(offline_gpu_h, 3), "fits": disk <= free}
+    options["online"] = {
+        "mode": "online", "storage": "bf16 or fp8", "hidden_state_bytes": 0, "disk_bytes": ckpt_total,
+        "gpu_hours_train": online_train, "gpu_hours_total": round(traces_h + online_train, 3),
+        "fits": ckpt_total <= free}
+    return options
 
 
 def human_bytes(n: float | None) -> str:
@@ -182,8 +257,17 @@ def format_plan(plan: dict[str, Any]) -> str:
     s = plan["target_shape"]
     lines.append(f"  target: hidden {s.get('hidden_size')}, layers {s.get('num_hidden_layers')}, vocab {s.get('vocab_size')}")
     lines.append(f"  traces: {plan['prompts']} prompts, <= {plan['trace_completion_tokens_max']:,} generated tokens")
-    lines.append(f"  hidden states: <= {plan['train_tokens_max']:,} tokens x {human_bytes(plan['hidden_state_bytes_per_token'])}/token"
-                 f" = {human_bytes(plan['hidden_state_bytes'])}")
+    if plan["hidden_states_mode"] == "online":
+        lines.append(f"  hidden states: online (a vLLM server in each training job), <= {plan['train_tokens_max']:,} "
+                     f"tokens per epoch, nothing on disk")
+    else:
+        lines.append(f"  hidden states: <= {plan['train_tokens_max']:,} tokens x {human_bytes(plan['hidden_state_bytes_per_token'])}/token"
+                     f" = {human_bytes(plan['hidden_state_bytes'])} ({plan['hidden_states_storage']})")
+    lines.append("  hidden-state options (disk with margin + checkpoints / GPU-hours in total):")
+    for name, o in plan["hidden_state_options"].items():
+        mark = " <- configured" if name == option_name(plan["hidden_states_mode"], plan["hidden_states_storage"]) else ""
+        lines.append(f"    {name:<13} {human_bytes(o['disk_bytes']):>9} / {o['gpu_hours_total']:>10} GPU-h"
+                     f"  {'fits' if o['fits'] else 'DOES NOT FIT'}{mark}")
     for name, v in plan["variants"].items():
         lines.append(f"  draft '{name}': {v['draft_parameters'] or 0:,} params, checkpoints {human_bytes(v['checkpoint_bytes'])},"
                      f" {v['epochs']} epochs")

@@ -17,7 +17,8 @@ tokenized, hidden_states), so runs made before variants existed stay valid; any 
 is `<stage>-<digest>`, the first DIGEST_CHARS hex digits of the sha256 of its chain's settings.
 The name depends on nothing but those settings: adding, removing or renaming another variant
 never renames (and so never reruns) an artifact. A new key in a section needs nothing here: it
-is part of the merged section, hence of the settings, hence of the name.
+is part of the merged section, hence of the settings, hence of the name (unless the stage lists
+it in `not_defining`: a key of its section only a later stage reads).
 """
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ class Stage:
     section: str  # the config section that defines it
     reads: str | None  # the stage whose artifact it reads (None: only the target and prompts)
     borrowed: Callable[[dict], dict]  # keys it takes from other sections
+    # Keys of its section that only a later stage reads: they define nothing in this artifact.
+    not_defining: tuple[str, ...] = ()
+    # Whether a merged config builds this stage at all.
+    built: Callable[[dict], bool] = lambda cfg: True
+
+
+# hidden_states keys only the training job reads (hidden_states.mode: online starts its own
+# server): switching mode, or tuning the server, reruns no extraction and renames no instance.
+TRAINING_ONLY_HS_KEYS = ("mode", "server_gpus", "server_start_timeout_s", "request_timeout_s")
+
+
+def trains_online(cfg: dict) -> bool:
+    """Online training (hidden_states.mode: online): no hidden-states artifact; train_draft
+    asks its own vLLM server."""
+    return cfg["hidden_states"].get("mode", "offline") == "online"
 
 
 # In DAG order. Tokenize renders the loss mask with the template arguments generation used
@@ -52,7 +68,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("traces", "generation", None, _target_code),
     Stage("tokenized", "tokenize", "traces",
           lambda c: {**_target_code(c), "chat_template_kwargs": c["generation"]["chat_template_kwargs"]}),
-    Stage("hidden_states", "hidden_states", "tokenized", _target_code),
+    Stage("hidden_states", "hidden_states", "tokenized", _target_code,
+          not_defining=TRAINING_ONLY_HS_KEYS, built=lambda c: not trains_online(c)),
 )}
 
 
@@ -100,7 +117,8 @@ def variant_config(config: dict, name: str) -> dict:
 
 def stage_settings(cfg: dict, stage: str) -> dict[str, Any]:
     s = STAGES[stage]
-    return {**cfg[s.section], **s.borrowed(cfg)}
+    own = {k: v for k, v in cfg[s.section].items() if k not in s.not_defining}
+    return {**own, **s.borrowed(cfg)}
 
 
 def _chain(cfg: dict, stage: str) -> list[dict]:
@@ -110,10 +128,13 @@ def _chain(cfg: dict, stage: str) -> list[dict]:
 
 
 def instances_for(config: dict, cfg: dict) -> dict[str, StageInstance]:
-    """The stage instances the merged config `cfg` builds on ({stage: instance}, DAG order);
+    """The stage instances the merged config `cfg` builds on ({stage: instance}, DAG order;
+    a stage it does not build, such as hidden states when training online, is left out);
     `config` is the base config, whose instances keep the plain directory names."""
     out: dict[str, StageInstance] = {}
     for stage in STAGES.values():
+        if not stage.built(cfg):
+            continue
         chain = _chain(cfg, stage.name)
         if chain == _chain(config, stage.name):
             directory = stage.name

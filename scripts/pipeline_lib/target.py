@@ -96,3 +96,18 @@ def weights_digest(model_dir: str | Path, file_digests: dict[str, str] | None = 
         raise PipelineError(f"{model_dir}: no *.safetensors weights; rerun the target stage")
     known = file_digests or {}
     return json_digest(sorted([p.name, known.get(p.name) or file_digest(p)] for p in weights))
+
+
+def loaded_weights_digest(target_dir: str | Path, manifest_path: str | Path) -> str:
+    """The digest of the weight files a job loads (hashed there, not copied from the manifest:
+    the contract checks compare it with the target stage's); refuses a model dir whose weights
+    changed after the target stage. Reading them once more also warms the page cache for the
+    engine's load."""
+    recorded = load_manifest(manifest_path).get("weights_digest")
+    if not recorded:
+        raise PipelineError(f"{manifest_path}: no weights_digest; rerun the target rule")
+    loaded = weights_digest(target_dir)
+    if loaded != recorded:
+        raise PipelineError(f"{target_dir}: its weight files differ from the ones in {manifest_path} (the model "
+                            f"dir changed after the target stage); rerun the target stage")
+    return loaded

@@ -15,13 +15,12 @@ from ..digests import json_digest
 from ..errors import PipelineError
 from ..io import atomic_write_bytes
 from ..target import load_config, num_layers, resolve_aux_layer_ids, text_config
+from .formats import inspect_tensors, storage_format
 
 # Bump when the file layout changes: a new key, so old store entries are never reused.
 STORE_FORMAT = 1
 DTYPES = ("bfloat16", "float16", "float32")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SCRIPTS_DIR = Path(__file__).resolve().parents[2]
-
 
 
 def hs_name(row: int) -> str:
@@ -39,6 +38,11 @@ class LayerSpec:
     hidden_size: int
     dtype: str
     max_positions: int | None = None
+    storage: str = "bf16"  # on-disk format (formats.py): bf16 = as extracted, fp8 = hs-connectors' FP8
+
+    @property
+    def format(self):
+        return storage_format(self.storage)
 
     @property
     def final_layer_id(self) -> int:
@@ -56,8 +60,9 @@ class LayerSpec:
         return getattr(torch, self.dtype)
 
     def file_bytes(self, tokens: int) -> int:
-        """Size of one row's file: hidden states, int64 token ids, safetensors header (<256 B)."""
-        return tokens * (len(self.layer_ids) * self.hidden_size * DTYPE_BYTES[self.dtype] + 8) + 256
+        """Size of one row's file in its storage format: hidden states (fp8: plus a scale per
+        token), int64 token ids, safetensors header (<256 B)."""
+        return tokens * (self.format.bytes_per_token(len(self.layer_ids), self.hidden_size, self.dtype) + 8) + 256
 
 
 def layer_spec(target_dir: str | Path, settings: dict[str, Any]) -> LayerSpec:
@@ -71,7 +76,8 @@ def layer_spec(target_dir: str | Path, settings: dict[str, Any]) -> LayerSpec:
         raise PipelineError(f"hidden_states.dtype = {dtype!r}: use one of {', '.join(DTYPES)}")
     if "hidden_size" not in text:
         raise PipelineError(f"{Path(target_dir) / 'config.json'}: no hidden_size; is this a decoder LLM?")
-    return LayerSpec(tuple(aux), n, int(text["hidden_size"]), dtype, text.get("max_position_embeddings"))
+    storage = storage_format(settings.get("storage", "bf16")).name  # an unknown name fails here, naming the key
+    return LayerSpec(tuple(aux), n, int(text["hidden_size"]), dtype, text.get("max_position_embeddings"), storage)
 
 
 def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -88,9 +94,13 @@ def store_key(target_digest: str, data_digest: str, spec: LayerSpec) -> str:
     """Short digest naming a store dir: files in it belong to exactly these inputs.
 
     The backend is not part of the key: both produce the same tensors (within bf16 noise),
-    so switching backends reuses what is already extracted."""
-    return json_digest({"format": STORE_FORMAT, "target": target_digest, "data": data_digest,
-                        "layer_ids": spec.layer_ids, "dtype": spec.dtype})[len("sha256:"):][:16]
+    so switching backends reuses what is already extracted. The storage format is part of it
+    only when it is not the original bf16 layout, so existing bf16 stores keep their keys."""
+    key = {"format": STORE_FORMAT, "target": target_digest, "data": data_digest,
+           "layer_ids": spec.layer_ids, "dtype": spec.dtype}
+    if spec.storage != "bf16":
+        key["storage"] = spec.storage
+    return json_digest(key)[len("sha256:"):][:16]
 
 
 # --------------------------------------------------------------------------------------
@@ -113,41 +123,28 @@ class FileRecord:
 
 def inspect_hs_bytes(data: bytes, input_ids: Sequence[int], spec: LayerSpec) -> str | None:
     """Why these file bytes are not a valid hs file for this row, or None when they are."""
-    import torch
     from safetensors.torch import load
 
     try:
         tensors = load(data)
     except Exception as err:  # safetensors raises its own error types for bad headers
         return f"unreadable safetensors ({type(err).__name__}: {err})"
-    missing = {"token_ids", "hidden_states"} - tensors.keys()
-    if missing:
-        return f"missing tensors {sorted(missing)}"
-    token_ids, hs = tensors["token_ids"], tensors["hidden_states"]
-    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
-        return f"token_ids is {token_ids.dtype} {list(token_ids.shape)}, expected int64 [T]"
-    if token_ids.tolist() != list(input_ids):
-        return "token_ids differ from the dataset's input_ids"
-    expected = [len(input_ids), len(spec.layer_ids), spec.hidden_size]
-    if list(hs.shape) != expected:
-        return f"hidden_states shape {list(hs.shape)}, expected {expected}"
-    if hs.dtype != spec.torch_dtype:
-        return f"hidden_states dtype {hs.dtype}, expected {spec.dtype}"
-    if not _all_finite(hs):
-        return "hidden_states has non-finite values"
-    return None
+    return inspect_tensors(tensors, input_ids, len(spec.layer_ids), spec.hidden_size, spec.dtype, spec.storage)
 
 
-def _all_finite(tensor) -> bool:
-    """True when no value is NaN or +-inf. min/max propagate NaN and surface an infinity, and
-    one aminmax pass reads bf16 ~20x faster than isfinite().all() on CPU: this check runs on
-    every byte the store writes or revalidates."""
+def hs_tensors(row: Row, hidden_states, spec: LayerSpec) -> dict[str, Any]:
+    """The tensors of one row's file in the spec's storage format (fp8: hs-connectors'
+    quantization), for safetensors' save/save_file."""
     import torch
 
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+    return spec.format.to_tensors(hidden_states, torch.tensor(row.input_ids, dtype=torch.int64))
+
+
+def serialize_hs(row: Row, hidden_states, spec: LayerSpec) -> bytes:
+    """The file bytes of one row in the spec's storage format."""
+    from safetensors.torch import save
+
+    return save(hs_tensors(row, hidden_states, spec))
 
 
 class HSStore:
@@ -192,12 +189,8 @@ class HSStore:
         return FileRecord(row.index, len(row.input_ids), len(data), _sha256(data))
 
     def write(self, row: Row, hidden_states) -> FileRecord:
-        """Serialize and write atomically (transformers backend)."""
-        import torch
-        from safetensors.torch import save
-
-        data = save({"hidden_states": hidden_states.contiguous(),
-                     "token_ids": torch.tensor(row.input_ids, dtype=torch.int64)})
+        """Serialize (in the spec's storage format) and write atomically (transformers backend)."""
+        data = serialize_hs(row, hidden_states, self.spec)
         self._require_valid(row, data, "transformers backend")
         atomic_write_bytes(self.path(row.index), data)
         return FileRecord(row.index, len(row.input_ids), len(data), _sha256(data))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import PipelineError
-from .store import FileRecord, HSStore, LayerSpec, Row, register
+from .store import FileRecord, HSStore, LayerSpec, Row, hs_tensors, register
 
 # Host buffers in flight: the forward may run this many batches ahead of the slowest writer,
 # which bounds pinned host memory at HOST_BUFFERS x batch_tokens x layers x hidden x 2 bytes.
@@ -206,8 +206,8 @@ class _WritePipeline:
             if ready is not None:
                 ready.synchronize()  # the batch's device-to-host copy has landed
             temp = self.store.temp_path(row.index, self.tag)
-            tensors = {"hidden_states": host[b, :len(row.input_ids)],
-                       "token_ids": self.torch.tensor(row.input_ids, dtype=self.torch.int64)}
+            # bf16: the buffer's slice as is; fp8: quantized here, in the writer thread.
+            tensors = hs_tensors(row, host[b, :len(row.input_ids)], self.store.spec)
             save_file(tensors, str(temp))  # serialized straight from the buffer, without the GIL
             return self.store.commit(row, temp, source="transformers backend")
         finally:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import PipelineError
+from .formats import storage_format
 from .store import SCRIPTS_DIR, FileRecord, HSStore, LayerSpec, Row, register, token_batches
 
 
@@ -56,7 +57,7 @@ class VllmBackend:
                 "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec.layer_ids}},
             },
-            kv_transfer_config=connector_config(cuda),
+            kv_transfer_config=connector_config(cuda, spec.storage),
         )
 
     def extract(self, rows: Sequence[Row], store: HSStore) -> Iterator[FileRecord]:
@@ -85,16 +86,23 @@ class VllmBackend:
         self.llm = None
 
 
-def connector_config(cuda: bool) -> dict[str, Any]:
-    """vLLM's kv_transfer_config: the stock connector on CUDA (async copy on a side stream),
-    ours on CPU (the stock one needs pinned memory and CUDA streams). Every request names its
-    own file (a temp name in the store), so the default storage path is never written; the
-    "custom path" is safe here because only this process submits requests."""
-    extra = {"shared_storage_path": tempfile.gettempdir(), "allow_custom_save_path": True}
-    config = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-              "kv_connector_extra_config": extra}
-    if not cuda:
-        config.update(kv_connector="CpuHiddenStatesConnector", kv_connector_module_path="pipeline_lib.cpu_hs_connector")
+def connector_config(cuda: bool, storage: str = "bf16", storage_path: str | None = None,
+                     custom_paths: bool = True) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for a storage format (formats.py): the stock connectors on
+    CUDA (async copy on a side stream; hs-connectors' FP8 one for fp8), ours on CPU (the stock
+    ones need pinned memory and CUDA streams).
+
+    Offline extraction names every request's file itself (a temp name in the store), so the
+    default storage path is never written; the "custom path" is safe because only this process
+    submits requests. A server for online training (custom_paths=False) writes each request to
+    `storage_path/<request id>.safetensors`, where the trainer reads and deletes it."""
+    name, module = (storage_format(storage).cuda_connector if cuda else storage_format(storage).cpu_connector)
+    extra: dict[str, Any] = {"shared_storage_path": storage_path or tempfile.gettempdir()}
+    if custom_paths:
+        extra["allow_custom_save_path"] = True
+    config: dict[str, Any] = {"kv_connector": name, "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+    if module:
+        config["kv_connector_module_path"] = module
     return config
 
 

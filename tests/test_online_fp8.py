@@ -1,0 +1,426 @@
+"""hidden_states.storage: fp8 and hidden_states.mode: online, on the tiny target with real vLLM
+and speculators' trainer.
+
+Expensive runs happen once per module: vLLM extractions in bf16 and fp8 (one engine each) and
+a transformers fp8 extraction; offline training on the bf16 and fp8 files; one uninterrupted
+online training (its own vLLM server) checked against the offline one and loaded by vLLM; and
+one online training that is interrupted twice (SIGTERM, then its server is killed) before a
+rerun completes it. The failure tests start servers that never get ready. The plan's per-option
+estimates (Kimi scale) and the online DAG are dry-run tests in test_workflow.py; which jobs a
+change of mode or storage reruns, in test_rebuilds.py."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PY, SCRIPTS, run_script
+from test_train import build_tokenized
+
+from pipeline_lib.errors import PipelineError
+from pipeline_lib.hidden_states import LayerSpec, inspect_hs_bytes, store_key
+from pipeline_lib.hidden_states.server import SERVER_MODULE, split_devices
+
+AUX = [2, 4, 5]
+TRAIN = {"draft_layers": 1, "draft_vocab_size": 512, "ttt_steps": 3, "epochs": 2, "lr": 0.003,
+         "optimizer": "adamw", "scheduler": "linear", "total_seq_len": 512, "train_data_ratio": 0.85,
+         "attn_impl": "sdpa", "loss_impl": "eager", "seed": 0, "keep_last": 2, "select": "last",
+         "num_workers": 0}
+ONLINE = {"mode": "online", "storage": "bf16", "aux_layer_ids": None, "dtype": "bfloat16", "server_gpus": 0,
+          "server_start_timeout_s": 300, "request_timeout_s": 60}
+# Same data, seed and extraction engine: online and offline training see the same hidden states,
+# so their validation accuracies agree to rounding. fp8 vs bf16 states differ by the quantization.
+TOL_ONLINE_ACC = 0.02
+TOL_FP8_ACC = 0.10
+TOL_FP8_REL = 0.06       # per-token relative L2 error of dequantized fp8 vs bf16 (e4m3: 3 mantissa bits)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def server_processes(marker: str) -> list[str]:
+    """Command lines of live hidden-states servers whose command names `marker` (their work dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if SERVER_MODULE in cmd and marker in cmd:
+            found.append(f"{proc.name}: {cmd[:200]}")
+    return found
+
+
+def group_gone(pgid: int, wait_s: float = 30.0) -> bool:
+    """The server's process group (API server + engine processes) has no process left."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def server_pgid(log: str) -> int:
+    return int(re.search(r"hidden-states server pid (\d+)", log).group(1))
+
+
+def train_cmd(run: dict, out: Path, hs_settings: dict | None = None, hs_dir: Path | None = None,
+              settings: dict | None = None) -> list[str]:
+    args = ["--settings", json.dumps(settings or TRAIN), "--target", run["target"],
+            "--target-manifest", run["target_manifest"], "--checkpoints", out / "checkpoints", "--gpus", "0",
+            "--nodes", "1", "--final", out / "final", "--untrained", out / "untrained",
+            "--metrics", out / "train_metrics.csv", "--provenance", out / "provenance.json",
+            "--hs-record", out / "hidden_states.json"]
+    if hs_settings:  # online: the tokenized data, a server of its own
+        args += ["--hs-settings", json.dumps(hs_settings), "--data", run["tokenized"] / "data",
+                 "--token-freq", run["tokenized"] / "token_freq.pt"]
+    else:
+        args += ["--data", hs_dir / "data", "--hs-manifest", hs_dir / "manifest.json"]
+    return [PY, str(SCRIPTS / "train_draft.py"), *map(str, args)]
+
+
+def train(run, out, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(train_cmd(run, out, **kw), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def extract(run: dict, backend: str, storage: str) -> Path:
+    """One shard + gather, as the hidden_states rules run them."""
+    d = run["root"] / f"hs-{backend}-{storage}"
+    tok = run["tokenized"]
+    run_script("extract_hidden_states.py", "--settings", json.dumps({"backend": backend, "storage": storage}),
+               "--target", run["target"], "--manifest", run["target_manifest"], "--data", tok / "data",
+               "--shard", "0", "--num-shards", "1", "--store-dir", d / "store", "--out", d / "shard.json", timeout=600)
+    run_script("gather_hidden_states.py", "--shards", d / "shard.json", "--data", tok / "data",
+               "--token-freq", tok / "token_freq.pt", "--out-data", d / "data", "--manifest", d / "manifest.json",
+               "--provenance", d / "provenance.json", timeout=300)
+    return d
+
+
+def val_acc(out: Path) -> dict[str, float]:
+    prov = json.loads((out / "provenance.json").read_text())
+    return {k: prov[k] for k in ("val_acc_0", "val_acc_1", "val_acc_2")}
+
+
+def hs_states(path: Path):
+    """A file's hidden states as training sees them (speculators' FP8 transfer dequantizes)."""
+    from hs_connectors import FP8Transfer
+
+    return FP8Transfer(path.parent).get_cached(int(path.stem[3:]))["hidden_states"].float()
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def run(tiny_target, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("online")
+    build_tokenized(tiny_target, root / "tokenized")
+    run_script("materialize_target.py", "--settings", json.dumps({"source": "local", "path": str(tiny_target)}),
+               "--out-dir", root / "target" / "model", "--manifest", root / "target" / "manifest.json",
+               "--provenance", root / "target" / "provenance.json", timeout=300)
+    return {"root": root, "target": root / "target" / "model", "target_manifest": root / "target" / "manifest.json",
+            "tokenized": root / "tokenized"}
+
+
+@pytest.fixture(scope="module")
+def offline(run) -> dict:
+    """vLLM extractions in both formats, a transformers fp8 one, and offline training on each vLLM set."""
+    out = {name: extract(run, *name.split("-")) for name in ("vllm-bf16", "vllm-fp8", "transformers-fp8")}
+    for name in ("vllm-bf16", "vllm-fp8"):
+        train(run, run["root"] / "drafts" / name, hs_dir=out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def online(run, offline) -> dict:
+    """One uninterrupted online training (after the offline runs: one engine at a time)."""
+    out = run["root"] / "drafts" / "online"
+    # The offline run's checkpoints in its place: another mode is another trajectory, never resumed.
+    shutil.copytree(run["root"] / "drafts" / "vllm-bf16" / "checkpoints", out / "checkpoints")
+    proc = train(run, out, hs_settings=ONLINE)
+    load = run_script("load_check.py", "--target", run["target"], "--draft", out / "final",
+                      "--out", out / "load_check.json", timeout=600)
+    return {"out": out, "proc": proc, "load": load}
+
+
+# ------------------------------------------------------------------------- fp8 storage
+
+def test_fp8_files_are_half_the_bytes_and_match_bf16(offline):
+    """Both backends write hs-connectors' fp8 layout; values dequantize to the bf16 states."""
+    from safetensors.torch import load_file
+
+    bf16, fp8 = (json.loads((offline[n] / "manifest.json").read_text()) for n in ("vllm-bf16", "vllm-fp8"))
+    tf8 = json.loads((offline["transformers-fp8"] / "manifest.json").read_text())
+    ratio = fp8["bytes_per_token"] / bf16["bytes_per_token"]
+    print(f"\nbytes/token: bf16 {bf16['bytes_per_token']:.1f}, fp8 {fp8['bytes_per_token']:.1f} (x{ratio:.3f})")
+    assert 0.45 < ratio < 0.55
+    assert (fp8["storage"], fp8["stored_dtype"], bf16["storage"], bf16["stored_dtype"]) == \
+        ("fp8", "float8_e4m3fn", "bf16", "bfloat16")
+    assert tf8["bytes"] == fp8["bytes"] and tf8["storage"] == "fp8"
+    worst = {"vllm": 0.0, "transformers": 0.0}
+    for name in fp8["files"]:
+        raw = load_file(offline["vllm-fp8"] / "data" / "hidden_states" / name)
+        raw_tf = load_file(offline["transformers-fp8"] / "data" / "hidden_states" / name)
+        assert {k: (str(v.dtype), v.shape[1:]) for k, v in raw.items()} == \
+            {k: (str(v.dtype), v.shape[1:]) for k, v in raw_tf.items()} == \
+            {"hidden_states": ("torch.float8_e4m3fn", (4, 128)), "hidden_states_scales": ("torch.float32", (1, 1)),
+             "token_ids": ("torch.int64", ())}
+        ref = hs_states(offline["vllm-bf16"] / "data" / "hidden_states" / name)
+        for backend in worst:
+            got = hs_states(offline[f"{backend}-fp8"] / "data" / "hidden_states" / name)
+            worst[backend] = max(worst[backend], ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
+    print(f"max per-token relative error of fp8 vs vLLM bf16: {worst}")
+    assert all(w < TOL_FP8_REL for w in worst.values())
+
+
+def test_fp8_draft_trains_through_speculators_fp8_transfer(run, offline):
+    drafts = run["root"] / "drafts"
+    prov = json.loads((drafts / "vllm-fp8" / "provenance.json").read_text())
+    argv = prov["trainer_argv"]
+    assert argv[argv.index("--hidden-states-backend") + 1] == "fp8"
+    assert prov["hidden_states"] == {"mode": "offline", "storage": "fp8", "transfer": "fp8"}
+    record = json.loads((drafts / "vllm-fp8" / "hidden_states.json").read_text())
+    assert (record["storage"], record["transfer"], record["aux_layer_ids"]) == ("fp8", "fp8", AUX)
+    fp8, bf16 = val_acc(drafts / "vllm-fp8"), val_acc(drafts / "vllm-bf16")
+    print(f"\nvalidation accuracy bf16 {bf16} fp8 {fp8}")
+    assert all(abs(fp8[k] - bf16[k]) <= TOL_FP8_ACC for k in fp8)
+
+
+def test_fp8_store_rerun_regenerates_files_of_the_wrong_format(run, offline, tmp_path):
+    src = Path(json.loads((offline["transformers-fp8"] / "shard.json").read_text())["store_dir"])
+    store = tmp_path / "store" / src.name
+    shutil.copytree(src, store)
+    bf16_store = Path(json.loads((offline["vllm-bf16"] / "shard.json").read_text())["store_dir"])
+    shutil.copyfile(bf16_store / "hs_1.safetensors", store / "hs_1.safetensors")  # a bf16 file in an fp8 store
+    from safetensors.torch import load_file, save_file
+
+    bad = load_file(store / "hs_2.safetensors")
+    bad["hidden_states_scales"][0] = float("nan")
+    save_file(bad, str(store / "hs_2.safetensors"))
+    out = tmp_path / "shard.json"
+    run_script("extract_hidden_states.py", "--settings", json.dumps({"backend": "transformers", "storage": "fp8"}),
+               "--target", run["target"], "--manifest", run["target_manifest"], "--data", run["tokenized"] / "data",
+               "--shard", "0", "--num-shards", "1", "--store-dir", tmp_path / "store", "--out", out, timeout=300)
+    summary = json.loads(out.read_text())
+    assert summary["regenerated"] == 2 and set(summary["invalid"]) == {"1", "2"}, summary["invalid"]
+    assert "float8_e4m3fn" in summary["invalid"]["1"] and "scales" in summary["invalid"]["2"]
+    assert summary["files"] == json.loads((offline["transformers-fp8"] / "shard.json").read_text())["files"]
+    # The storage format is part of the store key (a bf16 store is never reused for fp8), and
+    # bf16 keys are what they were before fp8 existed.
+    spec = LayerSpec(tuple(AUX), 8, 128, "bfloat16")
+    fp8_spec = LayerSpec(tuple(AUX), 8, 128, "bfloat16", storage="fp8")
+    assert store_key("t", "d", spec) != store_key("t", "d", fp8_spec)
+    assert store_key("t", "d", spec) == "b91a6c5bcd28d58e"  # the key main computed before storage formats
+    # An fp8 file where bf16 is expected is refused too, naming the extra tensor.
+    import datasets
+
+    ids = list(datasets.load_from_disk(str(run["tokenized"] / "data")).with_format(None)[0]["input_ids"])
+    assert inspect_hs_bytes((store / "hs_0.safetensors").read_bytes(), ids, fp8_spec) is None
+    assert "unexpected tensors ['hidden_states_scales']" in inspect_hs_bytes(
+        (store / "hs_0.safetensors").read_bytes(), ids, spec)
+
+
+def test_training_refuses_files_of_another_format(run, offline, tmp_path):
+    """A manifest that says bf16 over fp8 files (or the reverse) is caught before training."""
+    hs = tmp_path / "hs"
+    shutil.copytree(offline["vllm-fp8"], hs, symlinks=True)
+    manifest = json.loads((hs / "manifest.json").read_text())
+    manifest["storage"] = "bf16"
+    (hs / "manifest.json").write_text(json.dumps(manifest))
+    proc = subprocess.run(train_cmd(run, tmp_path / "draft", hs_dir=hs), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "hs_0.safetensors: hidden_states shape" in proc.stderr and "(F8_E4M3), expected shape" in proc.stderr
+    assert "(BF16)" in proc.stderr and "storage bf16" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "draft" / "final").exists()
+
+
+def test_contract_checks_know_the_format_and_the_server_layers():
+    sys.path.insert(0, str(SCRIPTS))
+    import check_contract as cc
+
+    def ctx(manifest, record=None):
+        c = cc.Context(draft=Path("d"), target=Path("t"), target_config={}, target_manifest={}, hs_manifest=manifest,
+                       stats={}, settings={}, hs_record=record)
+        c.draft_config = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": AUX}
+        return c
+
+    fp8 = {"storage": "fp8", "aux_layer_ids": AUX, "final_layer_id": 8}
+    assert cc.check_read_as_stored(ctx(fp8, {"mode": "offline", "storage": "fp8", "transfer": "fp8"})).passed
+    # fp8 files read as plain files: the silent failure this check exists for
+    assert not cc.check_read_as_stored(ctx(fp8, {"mode": "offline", "storage": "fp8", "transfer": "file"})).passed
+    assert cc.check_read_as_stored(ctx({}, {"mode": "offline", "storage": "bf16", "transfer": "file"})).passed
+    online = {**fp8, "server_layer_ids": [*AUX, 8]}
+    assert cc.check_aux_match(ctx(online)).passed
+    wrong = cc.check_aux_match(ctx({**online, "server_layer_ids": [1, 4, 5, 8]}))
+    assert not wrong.passed and "server extracted layers [1, 4, 5, 8]" in wrong.detail
+
+
+# ------------------------------------------------------------------------------ online
+
+def test_online_training_end_to_end(run, offline, online):
+    out = online["out"]
+    record = json.loads((out / "hidden_states.json").read_text())
+    assert (record["mode"], record["storage"], record["transfer"]) == ("online", "bf16", "file")
+    assert record["aux_layer_ids"] == AUX and record["server_layer_ids"] == [*AUX, 8]
+    spec = json.loads(record["server"]["command"][record["server"]["command"].index("--speculative-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*AUX, 8]
+    assert json.loads((out / "final" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert record["server"]["probe"]["tokens"] > 0 and record["bytes_on_disk"] == 0
+    # No hidden-state file left, no server left (its process group included).
+    assert record["server"]["files_left_in_flight"] == 0
+    work = out / "checkpoints" / "online-server"
+    assert not (work / "hidden_states").exists() and not (work / "server.pid").exists()
+    assert not list(out.rglob("*.safetensors.lock")) and not list(out.rglob("cmpl-*"))
+    assert server_processes(str(work)) == [] and group_gone(record["server"]["pgid"], wait_s=1)
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["trainer_argv"][prov["trainer_argv"].index("--on-missing") + 1] == "generate"
+    # The offline checkpoints it found were moved aside, not resumed from.
+    assert "were made with different hidden_states; moved them to" in online["proc"].stdout
+    assert prov["resumed_after_epoch"] is None and len(list(out.glob("checkpoints.superseded-*"))) == 1
+    # Same data and seed as offline training on vLLM's own extraction: the same accuracy.
+    got, ref = val_acc(out), val_acc(run["root"] / "drafts" / "vllm-bf16")
+    print(f"\nvalidation accuracy online {got} offline {ref}")
+    assert all(abs(got[k] - ref[k]) <= TOL_ONLINE_ACC for k in got)
+    # Real vLLM loads the draft as an EAGLE-3 speculator.
+    load = json.loads((out / "load_check.json").read_text())
+    assert load["ok"] is True and load["spec_decode"]["num_drafts"] > 0 and load["aux_layer_ids"] == AUX
+
+
+def _wait_for(proc: subprocess.Popen, path: Path, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"job ended before {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _wait_for_line(proc: subprocess.Popen, lines: list[str], needle: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(needle in line for line in lines):
+        assert proc.poll() is None, f"job ended before {needle!r}: {''.join(lines)[-3000:]}"
+        assert time.monotonic() < deadline, f"no {needle!r} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen, list[str]]:
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    return proc, lines
+
+
+def test_interrupted_online_training_stops_its_server_and_resumes(run, online, tmp_path):
+    """SIGTERM (what Snakemake and SLURM send) mid-training, then the server dying under the
+    trainer: each time the job fails cleanly and leaves no server; the rerun resumes from the
+    last complete epoch. fp8 storage: the online fp8 path end to end."""
+    out = tmp_path / "draft"
+    settings = {**TRAIN, "epochs": 3, "total_seq_len": 128}  # more, shorter steps: a window for the signal
+    cmd = train_cmd(run, out, hs_settings={**ONLINE, "storage": "fp8"}, settings=settings)
+    work = out / "checkpoints" / "online-server"
+
+    proc, lines = _start(cmd)
+    _wait_for(proc, out / "checkpoints" / "0" / "training_state.json", "epoch 0's checkpoint")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=180) == 2
+    log = "".join(lines)
+    # Not swallowed by speculators' retry loops around each hidden-states request.
+    assert "ERROR: stopped by SIGTERM" in log and "Traceback" not in log, log[-3000:]
+    assert server_processes(str(work)) == [] and group_gone(server_pgid(log))
+
+    proc, lines = _start(cmd)
+    _wait_for_line(proc, lines, "probe request")
+    pgid = server_pgid("".join(lines))
+    os.killpg(pgid, signal.SIGKILL)  # the server dies under the trainer
+    assert proc.wait(timeout=180) == 2
+    log = "".join(lines)
+    assert "resuming after epoch 0" in log
+    assert "the hidden-states vLLM server died during training" in log and "re-running the job resumes" in log
+    assert "Traceback" not in log and group_gone(pgid) and server_processes(str(work)) == []
+    assert not (out / "final").exists()
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resuming after epoch 0" in done.stdout
+    record = json.loads((out / "hidden_states.json").read_text())
+    assert (record["storage"], record["transfer"]) == ("fp8", "fp8")
+    assert record["server"]["probe"]["bytes_per_token"] < 600  # fp8: ~527 vs ~1034 bytes/token in bf16
+    assert not (work / "hidden_states").exists() and group_gone(record["server"]["pgid"])
+
+
+def test_server_that_never_gets_ready_fails_the_job_with_its_log(run, tmp_path):
+    """A server that hangs while starting (here: stopped with SIGSTOP once it has logged
+    something) fails the job after server_start_timeout_s, with the end of its log."""
+    out = tmp_path / "draft"
+    work = out / "checkpoints" / "online-server"
+    proc, lines = _start(train_cmd(run, out, hs_settings={**ONLINE, "server_start_timeout_s": 20}))
+    _wait_for_line(proc, lines, "hidden-states server pid")
+    pgid = server_pgid("".join(lines))
+    _wait_for(proc, work / "server.log", "a server log")
+    while not (work / "server.log").read_text().strip():
+        time.sleep(0.2)
+    os.killpg(pgid, signal.SIGSTOP)
+    assert proc.wait(timeout=120) == 2
+    log = "".join(lines)
+    assert "did not answer within hidden_states.server_start_timeout_s = 20 s" in log
+    tail = log.split("its log ends with:\n", 1)[1]
+    assert tail.strip() and tail.strip() in (work / "server.log").read_text(), tail  # vLLM's own last lines
+    assert "Traceback" not in log.split("its log ends with:")[0]
+    assert group_gone(pgid) and server_processes(str(work)) == []
+    assert not (out / "final").exists()
+
+
+def test_server_that_exits_at_start_fails_the_job_with_its_log(run, tmp_path):
+    out = tmp_path / "draft"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "100000"}  # 100 TB of KV cache: vLLM refuses to start
+    proc = subprocess.run(train_cmd(run, out, hs_settings=ONLINE), capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 2
+    assert "the hidden-states vLLM server exited with status 1 before it was ready" in proc.stderr
+    assert "VLLM_CPU_KVCACHE_SPACE" in proc.stderr  # the tail of the server's own log says why
+    assert group_gone(server_pgid(proc.stdout))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_job_killed_while_its_server_starts_leaves_no_server(run, tmp_path, sig):
+    """SIGKILL: no cleanup code runs; the kernel tells the server (PR_SET_PDEATHSIG) and vLLM
+    stops its engine. SIGINT (Ctrl-C): the job stops the server itself."""
+    out = tmp_path / "draft"
+    proc, lines = _start(train_cmd(run, out, hs_settings=ONLINE))
+    _wait_for_line(proc, lines, "hidden-states server pid")
+    time.sleep(3)  # the engine processes are being started
+    pgid = server_pgid("".join(lines))
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    assert group_gone(pgid, wait_s=60), f"server group {pgid} still alive after the job died ({sig!r})"
+    if sig == signal.SIGINT:
+        assert proc.returncode == 2 and "stopped by SIGINT" in "".join(lines)
+
+
+# --------------------------------------------------------------- settings, GPUs, the plan
+
+def test_gpu_split_and_bad_online_settings(run, tmp_path):
+    assert split_devices(["3", "5", "6", "7"], 1, 4) == (["3"], ["5", "6", "7"])
+    assert split_devices([], 0, 0) == ([], [])
+    for server, job, needle in [(0, 4, "1 <= server_gpus < gpu"), (4, 4, "1 <= server_gpus < gpu"),
+                                (1, 0, "has no GPU")]:
+        with pytest.raises(PipelineError, match=re.escape(needle)):
+            split_devices(["0", "1", "2", "3"], server, job)
+    cmd = train_cmd(run, tmp_path / "d", hs_settings=ONLINE)
+    cmd[cmd.index("--nodes") + 1] = "2"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "online trains on one node" in proc.stderr
