@@ -6,7 +6,6 @@ tokens, hidden-state bytes, checkpoint bytes and GPU-hours, before any heavy job
 (the `plan` rule passes the validated config; `snakemake -n` prints the same plan)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

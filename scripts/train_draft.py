@@ -41,7 +41,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, launch, runtime, speculators_cpu  # noqa: E402
 from pipeline_lib import target as target_lib  # noqa: E402
-from pipeline_lib.digests import json_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.hidden_states.training import trainer_process, training_source  # noqa: E402
 from pipeline_lib.io import (append_jsonl_durable, atomic_dir, atomic_write_bytes,  # noqa: E402

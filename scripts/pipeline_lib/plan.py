@@ -75,9 +75,8 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     plan_cfg = config.get("plan") or {}
     shape = target_shape(config, results_dir)
     hidden = shape.get("hidden_size")
-    n_layers = shape.get("num_hidden_layers")
     vocab = shape.get("vocab_size")
-    gen, tok, hs, verify = config["generation"], config["tokenize"], config["hidden_states"], config["verify"]
+    gen, tok, hs = config["generation"], config["tokenize"], config["hidden_states"]
     throughput = {**DEFAULT_THROUGHPUT, **(plan_cfg.get("throughput") or {})}
 
     n_prompts = train_prompt_count(config["prompts"]) or plan_cfg.get("num_prompts")
