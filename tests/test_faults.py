@@ -164,6 +164,7 @@ def killed_then_rerun(e2e, tmp_path: Path, output: str, target: str, inside: Cal
     run(work, configfile, "--unlock")
     rerun = run(work, configfile, f"{RUN}/{target}")
     (tmp_path / "rerun.log").write_text(rerun.stdout + rerun.stderr)
+    assert (r / output).exists(), f"the rerun did not rebuild {output}:\n{rerun.stdout[-3000:]}\n{rerun.stderr[-6000:]}"
     return work, r, configfile, job
 
 
@@ -319,8 +320,10 @@ def test_kill_inside_acceptance(e2e, tmp_path):
     def engine_started(r: Path) -> bool:
         return log(r).exists() and "EngineCore" in log(r).read_text()
 
+    # The copied log is the reference run's (it names EngineCore too): removed with the output,
+    # so the kill waits for this run's engine.
     work, r, configfile, _ = killed_then_rerun(e2e, tmp_path, out, report, engine_started, "a vLLM engine",
-                                               lambda r: rm(r, out))
+                                               lambda r: rm(r, out, "logs/acceptance/default.log"))
     assert acceptance_without_timings(r / out) == acceptance_without_timings(ref / out)
     assert not leftovers(work), leftovers(work)
     provenance_ok(r)
