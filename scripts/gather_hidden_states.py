@@ -174,7 +174,6 @@ def main() -> None:
         "bytes_per_token": size / tokens if tokens else None,
         "backend": "+".join(backends),
         "store_key": shared["store_key"], "num_shards": shared["num_shards"],
-        "reused": sum(s["reused"] for _, s in shards), "regenerated": sum(s["regenerated"] for _, s in shards),
         "files": files,
     }
     atomic_write_json(args.manifest, manifest)
@@ -194,7 +193,12 @@ def write_provenance(args, shards, shared, backends, data_dir_digest: str, count
     # The data dir holds every hidden state: its digest comes from the known per-file digests
     # instead of rehashing gigabytes.
     prov.write(args.provenance, inputs=inputs, outputs={"manifest": args.manifest, "data": args.out_data},
-               digests={"data": data_dir_digest}, links=counts)
+               digests={"data": data_dir_digest},
+               # How this run got the files (reused from the store or extracted) is history, not
+               # content: here, not in the manifest, so an interrupted-then-resumed extraction
+               # makes the same manifest as an uninterrupted one and nothing after it is stale.
+               links=counts, store={"reused": sum(s["reused"] for _, s in shards),
+                                    "regenerated": sum(s["regenerated"] for _, s in shards)})
 
 
 if __name__ == "__main__":

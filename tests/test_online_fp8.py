@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -299,9 +300,10 @@ def test_online_training_end_to_end(run, offline, online):
     assert load["ok"] is True and load["spec_decode"]["num_drafts"] > 0 and load["aux_layer_ids"] == AUX
 
 
-def _wait_for(proc: subprocess.Popen, path: Path, what: str, timeout: float = 300) -> None:
+def _wait_for(proc: subprocess.Popen, path: Path, what: str, timeout: float = 300,
+              done: Callable[[], bool] = lambda: True) -> None:
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not (path.exists() and done()):
         assert proc.poll() is None, f"job ended before {what}: {proc.communicate()[0][-3000:]}"
         assert time.monotonic() < deadline, f"no {what} after {timeout} s"
         time.sleep(0.1)
@@ -334,7 +336,10 @@ def test_interrupted_online_training_stops_its_server_and_resumes(run, online, t
     work = out / "checkpoints" / "online-server"
 
     proc, lines = _start(cmd)
-    _wait_for(proc, out / "checkpoints" / "0" / "training_state.json", "epoch 0's checkpoint")
+    # An epoch counts as complete (resumable) once saved and validated: wait for its val row.
+    metrics = out / "checkpoints" / "metrics.jsonl"
+    _wait_for(proc, metrics, "epoch 0's checkpoint",
+              done=lambda: '"split": "val"' in metrics.read_text())
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=180) == 2
     log = "".join(lines)
