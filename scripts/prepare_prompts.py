@@ -52,7 +52,13 @@ from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_jsonl, read_jsonl, read_text  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Gzipped JSON(L) is read by `datasets` as is; YAML is chatterbot-corpus's layout.
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz", ".yml", ".yaml")
+
+
+def file_suffix(path: Path) -> str:
+    """The file type: the longest of FILE_SUFFIXES the name ends with (".jsonl.gz"), else its suffix."""
+    return next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if path.name.endswith(s)), path.suffix)
 
 
 @dataclass
@@ -297,16 +303,54 @@ def _sender(turn: list) -> Any:
     return next((m.get("sender") for m in turn if isinstance(m, dict) and m.get("sender") is not None), None)
 
 
+CODEIO_INSTRUCTION = "Write a Python function `main_solution` that solves this task."
+
+
+def map_codeio(raw: RawRow) -> Prompt | None:
+    """CodeI/O tasks (reasoning-gym's codeio*.jsonl.gz): the task and its input/output spec are
+    the request, the reference `code_sample` the source's answer. Never their `prompt` column:
+    it is a grader's prompt with the solution code inside."""
+    fields = {}
+    for column in ("task_description", "input_output_spec"):
+        value = raw.data.get(column)
+        if not isinstance(value, str):
+            raise PipelineError(f"{raw.where}: '{column}' must be a string, got {type(value).__name__}; "
+                                f"fix or remove the row (format codeio needs task_description and "
+                                f"input_output_spec)")
+        fields[column] = value.strip()
+    if not fields["task_description"]:
+        return None
+    answer = raw.data.get("code_sample")
+    user = f"{CODEIO_INSTRUCTION}\n\n{fields['task_description']}\n\n{fields['input_output_spec']}".rstrip()
+    pairs = [("user", user)] + ([("assistant", answer)] if isinstance(answer, str) else [])
+    return map_conversation(raw, pairs, OPENAI_ROLES)
+
+
+def map_chatterbot(raw: RawRow) -> Prompt | None:
+    """chatterbot-corpus: each conversation is a list of strings, user and bot alternating
+    (the user opens)."""
+    lines = raw.data.get("conversation")
+    if not isinstance(lines, list) or not lines or not all(isinstance(t, str) for t in lines):
+        raise PipelineError(f"{raw.where}: a conversation must be a non-empty YAML list of strings (user and bot "
+                            f"alternating, `- - question` / `  - answer`), got {type(lines).__name__} "
+                            f"{str(lines)[:80]!r}; fix or remove the row")
+    return map_conversation(raw, [("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(lines)],
+                            OPENAI_ROLES)
+
+
 FORMATS: dict[str, Callable[[RawRow], Prompt | None]] = {
     "sharegpt": map_sharegpt,
     "messages": map_messages,
     "prompt": map_prompt,
     "mtbench": map_mtbench,
     "chitchat": map_chitchat,
+    "codeio": map_codeio,
+    "chatterbot": map_chatterbot,
 }
-# format auto: the first of these columns present decides.
+# format auto: the first of these columns present decides (CodeI/O before `prompt`: its
+# `prompt` column is a grader's prompt).
 AUTO_COLUMNS = [("conversations", "sharegpt"), ("turns", "mtbench"), ("messages", "messages"),
-                ("prompt", "prompt")]
+                ("task_description", "codeio"), ("prompt", "prompt")]
 
 
 def detect_format(columns: list[str], spec: SourceSpec) -> str:
@@ -330,14 +374,14 @@ def source_kind(spec: SourceSpec) -> tuple[str, str]:
         raise PipelineError(f"{spec.setting}.source = {spec.source}: {err}") from None
     path = Path(resolved)
     if path.is_file():
-        if path.suffix not in FILE_SUFFIXES:
+        if file_suffix(path) not in FILE_SUFFIXES:
             raise PipelineError(f"{spec.setting}.source = {spec.source}: unsupported file type '{path.suffix}'; "
                                 f"use {', '.join(FILE_SUFFIXES)} or a hub dataset id")
         return "file", str(path)
     if path.exists():
         raise PipelineError(f"{spec.setting}.source = {spec.source}: {path} is a directory; point it at a "
                             f"{'/'.join(FILE_SUFFIXES)} file")
-    looks_local = path.suffix in FILE_SUFFIXES or spec.source.startswith(("/", ".", "~"))
+    looks_local = file_suffix(path) in FILE_SUFFIXES or spec.source.startswith(("/", ".", "~"))
     if looks_local or spec.source.count("/") != 1:
         raise PipelineError(f"{spec.setting}.source = {spec.source}: prompt file {path} does not exist "
                             f"(nor is it a hub dataset id 'org/name'); fix the path")
@@ -350,7 +394,8 @@ def source_label(spec: SourceSpec, fmt: str, kind: str) -> str:
         return fmt
     if kind == "hub":
         return spec.source
-    return Path(spec.source[len(PYPI_PREFIX):] if spec.source.startswith(PYPI_PREFIX) else spec.source).stem
+    path = Path(spec.source[len(PYPI_PREFIX):] if spec.source.startswith(PYPI_PREFIX) else spec.source)
+    return path.name[:-len(file_suffix(path))] or path.stem
 
 
 def iter_chitchat_json(path: Path, data: dict) -> Iterator[RawRow]:
@@ -359,6 +404,28 @@ def iter_chitchat_json(path: Path, data: dict) -> Iterator[RawRow]:
         if not isinstance(conv, dict):
             raise PipelineError(f"{where}: expected an object with 'messages', got {type(conv).__name__}")
         yield RawRow(str(conv_id), where, conv)
+
+
+def iter_chatterbot_yaml(path: Path, spec: SourceSpec) -> Iterator[RawRow]:
+    """chatterbot-corpus YAML: {categories, conversations: [[user, bot, ...], ...]}; each
+    conversation is named by its line (the composed node's mark), so a bad row can be found."""
+    import yaml
+
+    text = read_text(path, "prompt file")
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise PipelineError(f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML "
+                            f"({getattr(err, 'problem', None) or err})") from None
+    conversations = data.get("conversations") if isinstance(data, dict) else None
+    if not isinstance(conversations, list):
+        raise PipelineError(f"{path}: expected chatterbot-corpus YAML (a mapping with a 'conversations' list; "
+                            f"{spec.setting}.source)")
+    nodes = next(v for k, v in root.value if k.value == "conversations").value
+    for i, (conv, node) in enumerate(zip(conversations, nodes)):
+        yield RawRow(str(i), f"{path}:{node.start_mark.line + 1} (conversation {i})", {"conversation": conv})
 
 
 def iter_dataset(ds, path_or_id: str, linenos: list[int] | None) -> Iterator[RawRow]:
@@ -414,12 +481,22 @@ def _load_file(path: Path, spec: SourceSpec, cache: str):
     import datasets
 
     linenos = None
-    if path.suffix == ".jsonl":
+    suffix = file_suffix(path)
+    if suffix in (".yml", ".yaml"):
+        if spec.format not in ("auto", "chatterbot"):
+            raise PipelineError(f"{spec.setting}.format = {spec.format}: {path} is YAML, read as format chatterbot "
+                                f"only; set format: chatterbot (or auto)")
+        return iter_chatterbot_yaml(path, spec), ["conversation"], "chatterbot"
+    if suffix in (".jsonl.gz", ".json.gz"):
+        # A JSON list or JSON lines, gzipped (reasoning-gym's codeio-hq.jsonl.gz is a list):
+        # the json builder reads both; rows are named by index.
+        builder, data_files = "json", str(path)
+    elif suffix == ".jsonl":
         linenos = [lineno for lineno, _ in read_jsonl(path)]
         if not linenos:
             raise PipelineError(f"{path}: the prompt file is empty ({spec.setting}.source)")
         builder, data_files = "json", str(path)
-    elif path.suffix == ".json":
+    elif suffix == ".json":
         try:
             data = json.loads(read_text(path, "prompt file"))
         except json.JSONDecodeError as err:
@@ -732,7 +809,7 @@ def main() -> None:
 
 def _maybe_hub(source: str) -> bool:
     return bool(source) and not source.startswith(PYPI_PREFIX) and not Path(source).exists() \
-        and source.count("/") == 1 and Path(source).suffix not in FILE_SUFFIXES
+        and source.count("/") == 1 and file_suffix(Path(source)) not in FILE_SUFFIXES
 
 
 if __name__ == "__main__":

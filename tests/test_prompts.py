@@ -457,6 +457,68 @@ def test_mix_through_the_rule(three, tmp_path, tiny_target):
 
 
 # --------------------------------------------------------------------------------------
+# Sources shipped on PyPI for the demo mix: CodeI/O (reasoning-gym), chatterbot-corpus
+# --------------------------------------------------------------------------------------
+
+CODEIO = "pypi:reasoning_gym/data/codeio-hq.jsonl.gz"
+CHATTERBOT = "pypi:chatterbot_corpus/data/english/{}.yml"
+
+
+def test_codeio_real_file_maps_task_and_spec_not_the_graders_prompt():
+    """The shipped codeio-hq.jsonl.gz is a gzipped JSON list; format auto must pick codeio (its
+    `prompt` column is a grader's prompt with the solution inside)."""
+    rows, summary = prepare_prompts.build_split(settings_for(CODEIO, eval_source=MTBENCH), "train")
+    assert summary["format"] == "codeio" and summary["label"] == "codeio-hq"
+    assert summary["loaded"] == 2750 and len(rows) == 2750 and summary["with_answers"] == 2750
+    import gzip
+    raw = {r["task_description"].strip(): r for r in json.loads(gzip.open(resolve_asset(CODEIO)).read())}
+    for row in rows[:50]:
+        text = row["messages"][-1]["content"]
+        assert text.startswith(prepare_prompts.CODEIO_INSTRUCTION) and "<CODE>" not in text
+        task = text.split("\n\n")[1]
+        assert raw[task]["input_output_spec"].strip() in text
+        assert row["turns"] == [{"user": text, "assistant": raw[task]["code_sample"]}]
+
+
+def test_codeio_bad_row_and_gzipped_json_lines(tmp_path):
+    import gzip
+    good = {"task_description": "Add two numbers.", "input_output_spec": "Input: a, b", "code_sample": "def f(): ..."}
+    src = tmp_path / "tasks.jsonl.gz"  # real JSON lines this time
+    src.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in [good, {**good, "task_description": "Sub."}])
+                                  .encode()))
+    rows, summary = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "train")
+    assert summary["format"] == "codeio" and summary["label"] == "tasks" and len(rows) == 2
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(gzip.compress(json.dumps([good, {"task_description": "No spec.", "code_sample": "x"}]).encode()))
+    with pytest.raises(PipelineError, match=rf"{bad} row 1: 'input_output_spec' must be a string, got NoneType"):
+        prepare_prompts.build_split(settings_for(bad, "codeio"), "train")
+
+
+def test_chatterbot_real_files_and_the_bad_row_in_trivia(tmp_path):
+    rows, summary = prepare_prompts.build_split(settings_for(CHATTERBOT.format("coding"), eval_source=MTBENCH),
+                                                "train")
+    assert summary["format"] == "chatterbot" and summary["label"] == "coding"
+    assert summary["loaded"] == 184 and len(rows) == 96 and summary["duplicates_dropped"] == 88
+    bubble = next(r for r in rows if r["messages"][0]["content"] == "can you write bubble sort?")
+    assert bubble["turns"][0]["assistant"].startswith("Here's bubble sort in Python:")
+    # trivia.yml as shipped (1.3.3) has one conversation that is a string, not a list (line 35).
+    with pytest.raises(PipelineError, match=r"trivia\.yml:35 \(conversation 13\): a conversation must be a "
+                                            r"non-empty YAML list of strings.*two little ducks"):
+        prepare_prompts.build_split(settings_for(CHATTERBOT.format("trivia")), "train")
+    own = tmp_path / "chat.yaml"
+    own.write_text("conversations:\n- - hi there\n  - hello\n  - how are you?\n  - fine\n- - bye\n")
+    rows, _ = prepare_prompts.build_split(settings_for(own, eval_source=str(own)), "train")
+    turns = {r["messages"][0]["content"]: r.get("turns") for r in rows}
+    assert turns == {"hi there": [{"user": "hi there", "assistant": "hello"},
+                                  {"user": "how are you?", "assistant": "fine"}], "bye": None}
+    own.write_text("conversations:\n- - ok\n  - [not, text]\n")
+    with pytest.raises(PipelineError, match=rf"{own}:2 \(conversation 0\): a conversation must be"):
+        prepare_prompts.build_split(settings_for(own), "train")
+    with pytest.raises(PipelineError, match=r"is YAML, read as format chatterbot only"):
+        prepare_prompts.build_split(settings_for(own, "sharegpt"), "train")
+
+
+# --------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------
 
