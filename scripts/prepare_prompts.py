@@ -25,6 +25,12 @@ listed before it, capped, and the capped sources are interleaved by a seeded dra
 `prompts.mix_num_samples`, the validation split, held-out rows - follows the weights. A
 single source (a mapping, or a one-element list) gives exactly the rows it gave before.
 
+Decontamination: with an eval source, a training conversation any of whose user (or system)
+turns shares a `prompts.decontamination_ngram`-word n-gram (8 by default; lower-cased words)
+with any user turn of the whole eval source is dropped before de-duplication and caps, and
+counted (`contaminated_dropped`, with examples) in the summary and provenance: evaluation
+prompts never leak into training, whatever the config.
+
 With `prompts.eval.source: null` the eval set is `prompts.eval_fraction` of the training
 source and the train set excludes exactly those rows. With an eval source and
 `prompts.eval_held_out_samples: N`, N training-source prompts (the tail of the training
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -618,7 +625,59 @@ class Source:
     tag: str  # seed suffix: "" for a lone source (its rows as before mixes existed), ":label" in a mix
 
 
-def load_sources(specs: list[SourceSpec]) -> list[Source]:
+WORD = re.compile(r"\w+")
+
+
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The text's n-grams of lower-cased words, in order."""
+    words = WORD.findall(text.lower())
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def prompt_texts(p: Prompt) -> list[str]:
+    """What a conversation asks: its opening (system and user messages) and every later user turn."""
+    return [m["content"] for m in p.messages] + [t["user"] for t in (p.turns or [])[1:]]
+
+
+@dataclass
+class Decontamination:
+    """The eval source's n-grams, and which training rows shared one (summary examples)."""
+    n: int
+    eval_ngrams: set[tuple[str, ...]]
+    against: dict[str, Any]
+    examples: list[dict[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "Decontamination | None":
+        """None when off (decontamination_ngram 0) or when eval rows come out of the training
+        source itself (eval.source null: exact duplicates are already dropped before the split)."""
+        n = int(settings.get("decontamination_ngram", 0) or 0)
+        if n <= 0 or eval_held_out(settings):
+            return None
+        grams: set[tuple[str, ...]] = set()
+        evals = load_sources(SourceSpec.all_from_settings(settings, "eval"))
+        for p in (p for s in evals for p in s.prompts):
+            for text in prompt_texts(p):
+                grams.update(ngrams(text, n))
+        return cls(n, grams, {**evals[0].record, "loaded": evals[0].counts.loaded})
+
+    def filter(self, prompts: list[Prompt], counts: Counts) -> list[Prompt]:
+        kept = []
+        for p in prompts:
+            shared = next((g for text in prompt_texts(p) for g in ngrams(text, self.n) if g in self.eval_ngrams), None)
+            if shared is None:
+                kept.append(p)
+            elif len(self.examples) < 20:
+                self.examples.append({"id": f"{p.label}:{p.key}", "ngram": " ".join(shared)})
+        counts.extra["contaminated_dropped"] = len(prompts) - len(kept)
+        return kept
+
+    def summary(self) -> dict[str, Any]:
+        return {"ngram": self.n, "against": self.against, "eval_ngrams": len(self.eval_ngrams),
+                "examples": self.examples}
+
+
+def load_sources(specs: list[SourceSpec], decontamination: Decontamination | None = None) -> list[Source]:
     seen: dict[str, str] = {}
     sources: list[Source] = []
     for spec in specs:
@@ -636,6 +695,8 @@ def load_sources(specs: list[SourceSpec]) -> list[Source]:
             kept = [p for p in prompts if p.turns and p.turns[0]["assistant"] is not None]
             counts.extra["unanswered_dropped"] = len(prompts) - len(kept)
             prompts = kept
+        if decontamination:
+            prompts = decontamination.filter(prompts, counts)
         prompts = dedupe(prompts, counts, seen, label)
         sources.append(Source(spec, label, fmt, prompts, {**record, "label": label}, counts,
                               "" if len(specs) == 1 else f":{label}"))
@@ -695,7 +756,9 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     seed = int(settings.get("seed", 0))
     held_out = eval_held_out(settings)
     add_held = 0 if held_out else int(settings.get("eval_held_out_samples") or 0)
-    sources = load_sources(split_specs(settings, split))
+    # Training rows (and the held-out ones the eval split takes from them) are decontaminated.
+    decontamination = Decontamination.from_settings(settings) if split == "train" or add_held else None
+    sources = load_sources(split_specs(settings, split), decontamination if split == "train" else None)
     if held_out:
         fraction = float(settings.get("eval_fraction", 0.1))
         for s in sources:
@@ -725,6 +788,8 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
                     f"{s.counts.duplicates_dropped} duplicates"
                     + (f", {s.counts.extra.get('unanswered_dropped', 0)} without an answer (answered_only)"
                        if s.spec.answered_only else "")
+                    + (f", {s.counts.extra['contaminated_dropped']} sharing an n-gram with the eval set"
+                       if "contaminated_dropped" in s.counts.extra else "")
                     + (f", {s.counts.extra.get('duplicates_across_sources', 0)} already in an earlier source"
                        if len(sources) > 1 else "")
                     + (f", {s.counts.extra.get('held_out_for_eval', 0)} held out for eval" if held_out else ""))
@@ -738,7 +803,7 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     if add_held and split == "eval":
         # The same held-out rows the train split excluded, mixed in so that prefixes
         # (verify.num_prompts, concurrency_one_prompts) see both kinds.
-        train_sources = load_sources(SourceSpec.all_from_settings(settings, "train"))
+        train_sources = load_sources(SourceSpec.all_from_settings(settings, "train"), decontamination)
         held = [p for s, n in zip(train_sources, held_out_shares(add_held, train_sources))
                 for p in split_tail(s.prompts, n, seed, s.tag)[1]]
         rows += rows_of(held, HELD_OUT_CATEGORY)
@@ -749,13 +814,14 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     totals = {k: sum(src.get(k, 0) for src in per_source)
               for k in ("loaded", "empty_dropped", "duplicates_dropped")}
     extra = {k: sum(src.get(k, 0) for src in per_source)
-             for k in ("unanswered_dropped", "duplicates_across_sources", "held_out_for_eval", "available",
-                       "held_out_added")
+             for k in ("unanswered_dropped", "contaminated_dropped", "duplicates_across_sources",
+                       "held_out_for_eval", "available", "held_out_added")
              if any(k in src for src in per_source)}
     fmt = sources[0].format if len(sources) == 1 else [s.format for s in sources]
     label = sources[0].label if len(sources) == 1 else [s.label for s in sources]
     summary = {"split": split, "format": fmt, "label": label, "held_out": held_out, "input": record,
-               **totals, **extra, "written": len(rows), "sources": per_source}
+               **totals, **extra, "written": len(rows), "sources": per_source,
+               "decontamination": decontamination.summary() if decontamination else None}
     if split == "train":
         summary["with_later_turns"] = sum("turns" in r and len(r["turns"]) > 1 for r in rows)
         summary["with_answers"] = sum("turns" in r and r["turns"][0]["assistant"] is not None for r in rows)
@@ -770,10 +836,12 @@ def input_files(summary: dict) -> dict[str, str]:
         return {name: record["path"]} if record.get("path") else {}
 
     record = summary["input"]
+    against = files(summary["decontamination"]["against"], "decontamination_source") \
+        if summary.get("decontamination") else {}
     if isinstance(record, dict) and "held_out_from" in record:
         own = record.get("eval", {k: v for k, v in record.items() if k != "held_out_from"})
-        return {**files(own, "source"), **files(record["held_out_from"], "held_out_source")}
-    return files(record, "source")
+        return {**files(own, "source"), **files(record["held_out_from"], "held_out_source"), **against}
+    return {**files(record, "source"), **against}
 
 
 def main() -> None:
@@ -795,6 +863,8 @@ def main() -> None:
           f"{summary['duplicates_dropped']} duplicates"
           + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
              if "unanswered_dropped" in summary else "")
+          + (f", {summary['contaminated_dropped']} sharing a {summary['decontamination']['ngram']}-gram with "
+             f"the eval set" if "contaminated_dropped" in summary else "")
           + (f", {summary['duplicates_across_sources']} already in an earlier source"
              if "duplicates_across_sources" in summary else "")
           + (f", {summary['held_out_for_eval']} held out for eval" if "held_out_for_eval" in summary else "")

@@ -518,6 +518,47 @@ def test_chatterbot_real_files_and_the_bad_row_in_trivia(tmp_path):
         prepare_prompts.build_split(settings_for(own, "sharegpt"), "train")
 
 
+def test_training_prompts_sharing_an_8gram_with_the_eval_set_are_dropped(tmp_path):
+    """Decontamination: any user turn (first or later) sharing 8 words in a row (case and
+    punctuation aside) with any turn of the whole eval source drops the conversation, counted;
+    7 shared words do not; held-out rows come from the decontaminated rows in both splits."""
+    evals = write_jsonl(tmp_path / "bench.jsonl", [
+        {"question_id": 1, "turns": ["Compose an engaging travel blog post about a recent trip to Hawaii.",
+                                     "Rewrite your previous response, starting every sentence with the letter A."]},
+        {"question_id": 2, "turns": ["Solve x + 1 = 2."]}])
+    rows = [{"conversations": [{"from": "human", "value": f"Tell me a fact about number {i}."}]} for i in range(30)]
+    rows[3] = {"conversations": [{"from": "human", "value": "Please COMPOSE an engaging travel-blog post about a "
+                                                           "recent trip to Japan!"}]}  # 8 words: dropped
+    rows[5] = {"conversations": [{"from": "human", "value": "Compose an engaging travel blog post about "
+                                                           "Peru."}]}  # 7 words: kept
+    rows[7] = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                 {"from": "human", "value": "now rewrite your previous response starting every "
+                                                            "sentence with B"}]}  # a later turn: dropped
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    settings = {**settings_for(train, eval_source=str(evals)), "decontamination_ngram": 8,
+                "eval_held_out_samples": 4}
+    out, summary = prepare_prompts.build_split(settings, "train")
+    texts = user_texts(out)
+    assert summary["contaminated_dropped"] == 2 and summary["sources"][0]["contaminated_dropped"] == 2
+    assert not any("Japan" in t for t in texts) and "hi" not in texts
+    held_eval, eval_summary = prepare_prompts.build_split(settings, "eval")
+    held = [r for r in held_eval if r["category"] == "held-out"]
+    assert len(out) == 30 - 2 - 4 and len(held) == 4
+    assert any("Peru" in t for t in texts + user_texts(held))
+    assert not {r["id"] for r in held} & {r["id"] for r in out}
+    assert {r["id"] for r in held} <= {f"train:{i}" for i in range(30)} - {"train:3", "train:7"}
+    decon = summary["decontamination"]
+    assert decon["ngram"] == 8 and decon["against"]["path"] == str(evals) and decon["against"]["loaded"] == 2
+    assert decon["examples"] == [{"id": "train:3", "ngram": "compose an engaging travel blog post about a"},
+                                 {"id": "train:7", "ngram": "rewrite your previous response starting every sentence with"}]
+    assert prepare_prompts.input_files(summary) == {"source": str(train), "decontamination_source": str(evals)}
+    # 0 turns it off; so does an eval set held out of the training source itself.
+    off, off_summary = prepare_prompts.build_split({**settings, "decontamination_ngram": 0}, "train")
+    assert len(off) == 30 - 4 and off_summary["decontamination"] is None
+    assert prepare_prompts.build_split({**settings_for(train), "decontamination_ngram": 8}, "train")[1][
+        "decontamination"] is None
+
+
 # --------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------
