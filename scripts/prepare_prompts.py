@@ -882,8 +882,8 @@ def main() -> None:
           f"{summary['duplicates_dropped']} duplicates"
           + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
              if "unanswered_dropped" in summary else "")
-          + (f", {summary['contaminated_dropped']} sharing a {summary['decontamination']['ngram']}-gram with "
-             f"the eval set" if "contaminated_dropped" in summary else "")
+          + (f", {summary['contaminated_dropped']} sharing {summary['decontamination']['ngram']} words in a row "
+             f"with the eval set" if "contaminated_dropped" in summary else "")
           + (f", {summary['duplicates_across_sources']} already in an earlier source"
              if "duplicates_across_sources" in summary else "")
           + (f", {summary['held_out_for_eval']} held out for eval" if "held_out_for_eval" in summary else "")
