@@ -447,7 +447,8 @@ def test_mix_through_the_rule(three, tmp_path, tiny_target):
     rows = [json.loads(line) for line in (work / "results/tiny/prompts/train.jsonl").read_text().splitlines()]
     assert len(rows) == 15 and by_source(rows)["chat"] <= 5 and by_source(rows)["math"] <= 3
     prov = json.loads((work / "results/tiny/prompts/train.provenance.json").read_text())
-    assert set(prov["inputs"]) == {"source_0", "source_1", "source_2"}
+    # ... and the eval file the training rows were decontaminated against
+    assert set(prov["inputs"]) == {"source_0", "source_1", "source_2", "decontamination_source"}
     assert [s["label"] for s in prov["counts"]["sources"]] == ["chat", "code", "math"]
     assert [s["weight"] for s in prov["counts"]["sources"]] == [1.0, 2, 1.0]
     # An edited source file reruns the prompts (it is an input of the rule).
