@@ -178,6 +178,10 @@ CASES = {
     "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {job("prompts_eval")} | VERIFY_ONLY),
     "eval_held_out_samples": (lambda c: c["prompts"].update(eval_held_out_samples=2),
                               {job("prompts_train"), job("prompts_eval")} | AFTER_TRACES),
+    # Training prompts are decontaminated against the whole eval source: its n-gram length
+    # (like the eval source itself) defines the training split, not the eval one here.
+    "decontamination_ngram": (lambda c: c["prompts"].update(decontamination_ngram=6),
+                              {job("prompts_train")} | AFTER_TRACES),
     "temperature": (lambda c: c["generation"].update(temperature=0.7), AFTER_TRACES),
     "max_tokens": (lambda c: c["generation"].update(max_tokens=20), AFTER_TRACES),
     "aux_layer_ids": (lambda c: c["hidden_states"].update(aux_layer_ids=[1, 3, 6]), AFTER_HIDDEN),
