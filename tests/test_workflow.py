@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import PY, REPO, base_test_config, run_snakemake, with_defaults, write_config
 from pipeline_lib.plan import format_plan, make_plan
@@ -61,7 +62,9 @@ def test_dry_run_default_config_lists_every_stage(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     jobs = planned_jobs(proc.stdout + proc.stderr)
-    assert jobs["traces_shard"] == 2 and jobs["hidden_states_shard"] == 1
+    demo = yaml.safe_load((REPO / "config.yaml").read_text())
+    assert jobs["traces_shard"] == demo["generation"]["num_shards"]
+    assert jobs["hidden_states_shard"] == demo["hidden_states"]["num_shards"]
     assert set(jobs) == set(EXPECTED_JOBS_TEST), jobs
     # The plan is printed before Snakemake's job list, with estimates, and nothing was written.
     assert "hidden states: <=" in proc.stderr and "GPU-hours" in proc.stderr
