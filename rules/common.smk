@@ -97,6 +97,9 @@ def acceptance_settings(variant):
     cfg = stages.variant_config(config, variant)
     keys = ("backend", "num_speculative_tokens", "num_prompts", "max_tokens", "dtype", "concurrency_one_prompts")
     value = {k: cfg["verify"][k] for k in keys}
+    # Only when set: the default (all prompts) leaves existing acceptance results up to date.
+    if cfg["verify"]["untrained_prompts"] is not None:
+        value["untrained_prompts"] = cfg["verify"]["untrained_prompts"]
     value["reasoning_parser"] = cfg["generation"]["reasoning_parser"]
     # Eval prompts are rendered like the training prompts (e.g. Qwen3 enable_thinking).
     value["chat_template_kwargs"] = cfg["generation"]["chat_template_kwargs"]

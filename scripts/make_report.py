@@ -335,7 +335,8 @@ def acceptance_sections(acc: dict) -> list[Section]:
     rows = []
     for name in ("trained", "untrained"):
         b = acc["acceptance"][name]
-        rows.append([name, fmt(b["mean_acceptance_length"]), fmt(b["acceptance_rate_per_position"]),
+        rows.append([name, b.get("prompts", acc["num_prompts"]), fmt(b["mean_acceptance_length"]),
+                     fmt(b["acceptance_rate_per_position"]),
                      b["num_drafts"], b["num_draft_tokens"], b["num_accepted_tokens"], fmt(b.get("draft_acceptance_rate"))])
     sections = [Section("Acceptance", [
         f"{acc['num_prompts']} eval prompts, k = {k} speculative tokens, greedy, max {acc['max_tokens']} tokens, "
@@ -343,7 +344,7 @@ def acceptance_sections(acc: dict) -> list[Section]:
         + (" Skipped as longer than the target's context allows: "
            + ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in acc["prompts_skipped"]) + "."
            if acc.get("prompts_skipped") else "")],
-        [Table(["draft", "mean acceptance length", "acceptance rate per position", "drafts", "draft tokens",
+        [Table(["draft", "prompts", "mean acceptance length", "acceptance rate per position", "drafts", "draft tokens",
                 "accepted tokens", "draft acceptance rate"], rows)],
         ["Acceptance rate per position"])]
     t = acc.get("throughput") or {}

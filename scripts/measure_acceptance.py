@@ -17,8 +17,8 @@ backend's own message and the script still exits 0, so the report can show it.
 
 Settings (config.yaml `verify`): backend (vllm | transformers), num_speculative_tokens,
 num_prompts (null = all), max_tokens, dtype (float32 on CPU: greedy equality is exact only
-in fp32), concurrency_one_prompts, reasoning_parser; optional chat_template_kwargs and
-trust_remote_code.
+in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser; optional
+chat_template_kwargs and trust_remote_code.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from pipeline_lib.secrets import scrub  # noqa: E402
 from pipeline_lib.target import load_config, text_config  # noqa: E402
 
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,
-            "dtype": "float32", "concurrency_one_prompts": 8, "reasoning_parser": None,
+            "dtype": "float32", "concurrency_one_prompts": 8, "untrained_prompts": None, "reasoning_parser": None,
             "chat_template_kwargs": {}, "trust_remote_code": False}
 
 
@@ -69,6 +69,10 @@ def effective_settings(given: dict) -> dict:
     if not isinstance(s["num_speculative_tokens"], int) or s["num_speculative_tokens"] < 1:
         raise PipelineError(f"setting verify.num_speculative_tokens = {s['num_speculative_tokens']!r}: "
                             f"must be an integer >= 1")
+    if s["untrained_prompts"] is not None and (not isinstance(s["untrained_prompts"], int)
+                                               or s["untrained_prompts"] < 1):
+        raise PipelineError(f"setting verify.untrained_prompts = {s['untrained_prompts']!r}: must be null "
+                            f"(all eval prompts) or an integer >= 1")
     if s["dtype"] not in ("float32", "bfloat16", "float16"):
         raise PipelineError(f"setting verify.dtype = {s['dtype']!r}: use float32, bfloat16 or float16")
     return s
@@ -133,6 +137,7 @@ def main() -> int:
         untrained=str(Path(args.untrained).resolve()), prompts=prompts,
         num_speculative_tokens=settings["num_speculative_tokens"], max_tokens=settings["max_tokens"],
         dtype=settings["dtype"], concurrency_one_prompts=min(settings["concurrency_one_prompts"], len(prompts)),
+        untrained_prompts=settings["untrained_prompts"],
         eos_token_ids=eos_token_ids(Path(args.target), tokenizer), reasoning_end_token_id=end_id,
         context_limit=context_limit,
         trust_remote_code=settings["trust_remote_code"])

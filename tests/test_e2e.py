@@ -124,6 +124,25 @@ def test_trained_draft_beats_untrained_baseline_and_the_threshold(e2e):
     assert untrained < E2E_MIN_TAU <= trained
 
 
+def test_untrained_baseline_runs_on_evenly_spaced_eval_prompts(e2e):
+    """verify.untrained_prompts = 4 of the 8: the untrained draft's engine ran on prompts 0, 2, 4
+    and 6 of prompts/eval.jsonl (every category block sampled), the trained draft and plain
+    decoding on all 8; greedy equality compares each draft with plain decoding prompt by prompt."""
+    v = json.loads((e2e.results / "drafts/default/report/verification.json").read_text())
+    acc = v["acceptance"]
+    eval_ids = [json.loads(line)["id"] for line in (e2e.results / "prompts/eval.jsonl").read_text().splitlines()]
+    assert acc["num_prompts"] == 8 and acc["settings"]["untrained_prompts"] == 4
+    assert [r["id"] for r in acc["requests"]["trained"]] == eval_ids[:8]
+    assert [r["id"] for r in acc["requests"]["untrained"]] == [eval_ids[i] for i in (0, 2, 4, 6)]
+    assert (acc["acceptance"]["trained"]["prompts"], acc["acceptance"]["untrained"]["prompts"]) == (8, 4)
+    eq = acc["greedy_equality"]
+    assert (eq["trained"]["compared"], eq["untrained"]["compared"]) == (8, 4)
+    assert eq["trained"]["passed"] and eq["untrained"]["passed"]
+    assert sum(c["prompts"] for c in acc["per_category"]["untrained"].values()) == 4
+    md = (e2e.results / "drafts/default/report/report.md").read_text()
+    assert "| untrained | 4 |" in md and "| trained | 8 |" in md
+
+
 def test_acceptance_is_measured_per_span_with_the_real_reasoning_split(e2e):
     v = json.loads((e2e.results / "drafts/default/report/verification.json").read_text())
     acc = v["acceptance"]
@@ -131,7 +150,7 @@ def test_acceptance_is_measured_per_span_with_the_real_reasoning_split(e2e):
     assert spans["end_marker"] == "</think>"
     for name in ("trained", "untrained"):
         s = spans[name]
-        assert s["prompts"] == {"with_end_marker": acc["num_prompts"]}
+        assert s["prompts"] == {"with_end_marker": acc["acceptance"][name]["prompts"]}
         assert s["reasoning"]["num_drafts"] > 0 and s["answer"]["num_drafts"] > 0
         assert s["no_end_marker"]["num_drafts"] == 0
         assert s["reasoning"]["num_drafts"] + s["answer"]["num_drafts"] == acc["acceptance"][name]["num_drafts"]

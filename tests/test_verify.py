@@ -687,6 +687,41 @@ def test_span_attribution_of_verify_steps():
     assert spans["prompts"] == {"with_end_marker": 1, "no_end_marker": 1}
 
 
+def test_untrained_subset_is_evenly_spaced_and_greedy_equality_matches_by_id():
+    from pipeline_lib.acceptance import EvalPrompt, MeasureSpec, RequestRecord, greedy_equality
+
+    prompts = [EvalPrompt(id=f"p{i}", category=f"c{i // 10}", token_ids=[i]) for i in range(112)]
+
+    def spec(n):
+        return MeasureSpec(target="t", draft="d", untrained="u", prompts=prompts, num_speculative_tokens=K,
+                           max_tokens=8, dtype="float32", concurrency_one_prompts=0, eos_token_ids=[0],
+                           untrained_prompts=n)
+
+    assert spec(None).untrained_subset == prompts and spec(500).untrained_subset == prompts
+    sub = spec(16).untrained_subset
+    assert [p.id for p in sub] == [f"p{i * 7}" for i in range(16)]
+    assert {p.category for p in sub} == {f"c{i}" for i in range(11)}  # every full block of 10 sampled
+    # Each prompt's greedy output differs from the others': pairing by position would mismatch.
+    base = [RequestRecord(id=p.id, category=p.category, token_ids=[p.token_ids[0], 2, 3]) for p in prompts]
+    with_draft = [RequestRecord(id=p.id, category=p.category, token_ids=[p.token_ids[0], 2, 3]) for p in sub]
+    with_draft[1].token_ids = [7, 5, 3]
+    eq = greedy_equality(with_draft, base)
+    assert (eq["compared"], eq["identical"]) == (16, 15)
+    assert [(m["id"], m["first_mismatch_index"]) for m in eq["mismatches"]] == [("p7", 1)]
+
+
+@pytest.mark.parametrize("value", [0, -1, "8"])
+def test_bad_untrained_prompts_setting_is_a_clear_error(tmp_path, value):
+    # Settings are checked before any input is read: no run needed.
+    settings = {"backend": "vllm", "untrained_prompts": value}
+    proc = run_script("measure_acceptance.py", "--settings", json.dumps(settings), "--target", tmp_path / "t",
+                      "--draft", tmp_path / "d", "--untrained", tmp_path / "u", "--prompts", tmp_path / "p.jsonl",
+                      "--out", tmp_path / "acceptance.json", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "verify.untrained_prompts" in proc.stderr and "integer >= 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "acceptance.json").exists()
+
 
 def test_vllm_root_cause_skips_startup_noise_and_wrappers():
     from pipeline_lib.acceptance import vllm_root_cause

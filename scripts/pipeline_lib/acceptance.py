@@ -61,6 +61,7 @@ class MeasureSpec:
     dtype: str
     concurrency_one_prompts: int
     eos_token_ids: list[int]
+    untrained_prompts: int | None = None  # None = all; else that many, evenly spaced over the set
     reasoning_end_token_id: int | None = None
     context_limit: int | None = None     # the target's max_position_embeddings
     trust_remote_code: bool = False
@@ -70,6 +71,17 @@ class MeasureSpec:
     @property
     def concurrency_one(self) -> list[EvalPrompt]:
         return self.prompts[: self.concurrency_one_prompts]
+
+    @property
+    def untrained_subset(self) -> list[EvalPrompt]:
+        """The prompts the untrained baseline runs on: all, or `untrained_prompts` of them evenly
+        spaced over the eval set (so every category block is sampled). The baseline only shows
+        that a draft with random weights gets ~1.0; its engine run costs as much as the trained
+        one's, which on a small CPU box is minutes."""
+        n = len(self.prompts)
+        if self.untrained_prompts is None or self.untrained_prompts >= n:
+            return list(self.prompts)
+        return [self.prompts[(i * n) // self.untrained_prompts] for i in range(self.untrained_prompts)]
 
 
 def load_eval_prompts(path: str | Path, num_prompts: int | None, tokenizer,
@@ -207,9 +219,12 @@ def per_span(records: list[RequestRecord], k: int, end_token_id: int) -> dict[st
 
 
 def greedy_equality(with_draft: list[RequestRecord], without: list[RequestRecord]) -> dict[str, Any]:
-    """Token-by-token comparison of greedy outputs with and without speculation."""
+    """Token-by-token comparison of greedy outputs with and without speculation, prompt by prompt
+    (matched by id: the untrained baseline may run on a subset)."""
     mismatches = []
-    for a, b in zip(with_draft, without):
+    by_id = {r.id: r for r in without}
+    pairs = [(a, by_id[a.id]) for a in with_draft if a.id in by_id]
+    for a, b in pairs:
         if a.token_ids == b.token_ids:
             continue
         first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
@@ -218,7 +233,7 @@ def greedy_equality(with_draft: list[RequestRecord], without: list[RequestRecord
                            "with_draft_tokens": len(a.token_ids), "without_draft_tokens": len(b.token_ids),
                            "with_draft_next": a.token_ids[first:first + 5],
                            "without_draft_next": b.token_ids[first:first + 5]})
-    n = min(len(with_draft), len(without))
+    n = len(pairs)
     return {"compared": n, "identical": n - len(mismatches), "mismatches": mismatches,
             "passed": not mismatches}
 
@@ -277,6 +292,7 @@ def assemble(spec: MeasureSpec, backend: str, runs: dict[str, RunResult], notes:
         else:
             acceptance[name] = dict(from_requests, source=f"{backend}:verify steps")
         acceptance[name]["output_tokens"] = sum(len(r.token_ids) for r in run.records)
+        acceptance[name]["prompts"] = len(run.records)
 
     base = runs["no_draft"]
     throughput: dict[str, Any] = {"batch": None, "concurrency_1": None}
@@ -357,7 +373,8 @@ def answer_room(max_tokens: int, num_speculative_tokens: int) -> int:
     return max_tokens + num_speculative_tokens + 16
 
 
-def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool) -> dict[str, Any]:
+def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool,
+                prompts: list[EvalPrompt]) -> dict[str, Any]:
     longest = max(len(p.token_ids) for p in spec.prompts)
     # Room for the longest prompt and its answer; small = small KV cache.
     max_model_len = longest + answer_room(spec.max_tokens, spec.num_speculative_tokens)
@@ -368,7 +385,7 @@ def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool) -> 
         "dtype": spec.dtype, "max_tokens": spec.max_tokens, "seed": spec.seed,
         "trust_remote_code": spec.trust_remote_code,
         "max_model_len": max_model_len,
-        "prompts": [p.token_ids for p in spec.prompts],
+        "prompts": [p.token_ids for p in prompts],
         "concurrency_one": len(spec.concurrency_one) if concurrency_one else 0,
     }
 
@@ -411,9 +428,10 @@ def _records_from_engine(outputs: list[dict], prompts: list[EvalPrompt]) -> list
 def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunResult], list[str]]:
     runs: dict[str, RunResult] = {}
     # Trained first: if vLLM cannot load the draft we stop there (the others add nothing).
-    for run, draft, c1 in (("trained", spec.draft, True), ("untrained", spec.untrained, False),
-                           ("no_draft", None, True)):
-        res = _run_engine_child(engine_script, _engine_job(spec, draft, c1), run, spec)
+    for run, draft, c1, prompts in (("trained", spec.draft, True, spec.prompts),
+                                    ("untrained", spec.untrained, False, spec.untrained_subset),
+                                    ("no_draft", None, True, spec.prompts)):
+        res = _run_engine_child(engine_script, _engine_job(spec, draft, c1, prompts), run, spec)
         k = spec.num_speculative_tokens
         m = res["batch"]["metrics"]
         block = None
@@ -422,7 +440,7 @@ def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunRe
             block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
         c1_res = res.get("concurrency_one")
         runs[run] = RunResult(
-            records=_records_from_engine(res["batch"]["outputs"], spec.prompts), wall_s=res["batch"]["wall_s"],
+            records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
             global_block=block, batched=True, engine_start_s=res["engine_start_s"],
             concurrency_one=_records_from_engine(c1_res["outputs"], spec.concurrency_one) if c1_res else None,
             concurrency_one_wall_s=c1_res["wall_s"] if c1_res else None)
@@ -687,7 +705,8 @@ def measure_transformers(spec: MeasureSpec, engine_script: str | None = None) ->
         except Exception as err:  # the draft does not load: recorded like vLLM's refusal
             raise BackendFailure(run, f"{type(err).__name__}: {err}") from None
         chain = _ChainSpeculator(target, draft, spec.num_speculative_tokens, device)
-        records, wall = run_all(lambda ids: chain.generate(ids, spec.max_tokens, eos), spec.prompts)
+        records, wall = run_all(lambda ids: chain.generate(ids, spec.max_tokens, eos),
+                                spec.prompts if run == "trained" else spec.untrained_subset)
         runs[run] = RunResult(records=records, wall_s=wall)
         if run == "trained":
             c1, c1_wall = run_all(lambda ids: chain.generate(ids, spec.max_tokens, eos), spec.concurrency_one)
