@@ -94,7 +94,7 @@ def base_test_config(tiny_target: Path) -> dict:
         "variants": {"default": {}},
         "verify": {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": 8, "max_tokens": 32,
                    "dtype": "float32", "concurrency_one_prompts": 2,
-                   # The untrained baseline on half of them (evenly spaced), as the demo does.
+                   # The untrained baseline on half of them (round-robin over categories), as the demo does.
                    "untrained_prompts": 4,
                    # A bar an untrained draft (tau 1.0) misses; missing it fails the build.
                    "thresholds": {"min_mean_acceptance_length": E2E_MIN_TAU},

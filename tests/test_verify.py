@@ -687,7 +687,7 @@ def test_span_attribution_of_verify_steps():
     assert spans["prompts"] == {"with_end_marker": 1, "no_end_marker": 1}
 
 
-def test_untrained_subset_is_evenly_spaced_and_greedy_equality_matches_by_id():
+def test_untrained_subset_covers_every_category_and_greedy_equality_matches_by_id():
     from pipeline_lib.acceptance import EvalPrompt, MeasureSpec, RequestRecord, greedy_equality
 
     prompts = [EvalPrompt(id=f"p{i}", category=f"c{i // 10}", token_ids=[i]) for i in range(112)]
@@ -698,16 +698,20 @@ def test_untrained_subset_is_evenly_spaced_and_greedy_equality_matches_by_id():
                            untrained_prompts=n)
 
     assert spec(None).untrained_subset == prompts and spec(500).untrained_subset == prompts
+    # 12 categories (c11 has 2 prompts): the first of each, then the second of the first four.
     sub = spec(16).untrained_subset
-    assert [p.id for p in sub] == [f"p{i * 7}" for i in range(16)]
-    assert {p.category for p in sub} == {f"c{i}" for i in range(11)}  # every full block of 10 sampled
+    assert [p.id for p in sub] == ["p0", "p1", "p10", "p11", "p20", "p21", "p30", "p31",
+                                   *(f"p{c * 10}" for c in range(4, 12))]
+    assert {p.category for p in sub} == {f"c{i}" for i in range(12)}
+    shuffled = MeasureSpec(**{**spec(3).__dict__, "prompts": [prompts[i] for i in (5, 15, 6, 25, 16, 7)]})
+    assert [p.id for p in shuffled.untrained_subset] == ["p5", "p15", "p25"]
     # Each prompt's greedy output differs from the others': pairing by position would mismatch.
     base = [RequestRecord(id=p.id, category=p.category, token_ids=[p.token_ids[0], 2, 3]) for p in prompts]
     with_draft = [RequestRecord(id=p.id, category=p.category, token_ids=[p.token_ids[0], 2, 3]) for p in sub]
-    with_draft[1].token_ids = [7, 5, 3]
+    with_draft[2].token_ids = [7, 5, 3]
     eq = greedy_equality(with_draft, base)
     assert (eq["compared"], eq["identical"]) == (16, 15)
-    assert [(m["id"], m["first_mismatch_index"]) for m in eq["mismatches"]] == [("p7", 1)]
+    assert [(m["id"], m["first_mismatch_index"]) for m in eq["mismatches"]] == [("p10", 0)]
 
 
 @pytest.mark.parametrize("value", [0, -1, "8"])

@@ -61,7 +61,7 @@ class MeasureSpec:
     dtype: str
     concurrency_one_prompts: int
     eos_token_ids: list[int]
-    untrained_prompts: int | None = None  # None = all; else that many, evenly spaced over the set
+    untrained_prompts: int | None = None  # None = all; else that many, round-robin over categories
     reasoning_end_token_id: int | None = None
     context_limit: int | None = None     # the target's max_position_embeddings
     trust_remote_code: bool = False
@@ -74,14 +74,20 @@ class MeasureSpec:
 
     @property
     def untrained_subset(self) -> list[EvalPrompt]:
-        """The prompts the untrained baseline runs on: all, or `untrained_prompts` of them evenly
-        spaced over the eval set (so every category block is sampled). The baseline only shows
-        that a draft with random weights gets ~1.0; its engine run costs as much as the trained
-        one's, which on a small CPU box is minutes."""
-        n = len(self.prompts)
-        if self.untrained_prompts is None or self.untrained_prompts >= n:
+        """The prompts the untrained baseline runs on: all, or `untrained_prompts` of them taken
+        round-robin over the categories (the first of each category, then the second, ...), so
+        every category has a baseline; in eval-set order. The baseline only shows that a draft
+        with random weights gets ~1.0, and its engine run costs as much as the trained draft's
+        (minutes on a small CPU box)."""
+        if self.untrained_prompts is None or self.untrained_prompts >= len(self.prompts):
             return list(self.prompts)
-        return [self.prompts[(i * n) // self.untrained_prompts] for i in range(self.untrained_prompts)]
+        by_category: dict[str | None, list[int]] = {}
+        for i, p in enumerate(self.prompts):
+            by_category.setdefault(p.category, []).append(i)
+        picked: list[int] = []
+        for rank in range(max(len(v) for v in by_category.values())):
+            picked += [idx[rank] for idx in by_category.values() if rank < len(idx)]
+        return [self.prompts[i] for i in sorted(picked[: self.untrained_prompts])]
 
 
 def load_eval_prompts(path: str | Path, num_prompts: int | None, tokenizer,
