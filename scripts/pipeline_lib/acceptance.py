@@ -704,15 +704,15 @@ def measure_transformers(spec: MeasureSpec, engine_script: str | None = None) ->
     with torch.inference_mode():
         _greedy_plain(target, spec.prompts[0].token_ids, 4, eos, device)
     runs = {}
-    for run, path in (("trained", spec.draft), ("untrained", spec.untrained)):
+    for run, path, prompts in (("trained", spec.draft, spec.prompts),
+                               ("untrained", spec.untrained, spec.untrained_subset)):
         spec.log(f"[acceptance] {run}: transformers chain speculation with {path}")
         try:
             draft = load_draft_for_transformers(path, spec.target, dtype, device)
         except Exception as err:  # the draft does not load: recorded like vLLM's refusal
             raise BackendFailure(run, f"{type(err).__name__}: {err}") from None
         chain = _ChainSpeculator(target, draft, spec.num_speculative_tokens, device)
-        records, wall = run_all(lambda ids: chain.generate(ids, spec.max_tokens, eos),
-                                spec.prompts if run == "trained" else spec.untrained_subset)
+        records, wall = run_all(lambda ids: chain.generate(ids, spec.max_tokens, eos), prompts)
         runs[run] = RunResult(records=records, wall_s=wall)
         if run == "trained":
             c1, c1_wall = run_all(lambda ids: chain.generate(ids, spec.max_tokens, eos), spec.concurrency_one)
