@@ -39,10 +39,14 @@ class Decontamination:
                 grams.update(ngrams(text, n))
         return cls(n, grams, against)
 
+    def shared_ngram(self, p: Prompt) -> tuple[str, ...] | None:
+        """The first n-gram of p's user (and system) turns that is also in the set, or None."""
+        return next((g for text in prompt_texts(p) for g in ngrams(text, self.n) if g in self.eval_ngrams), None)
+
     def filter(self, prompts: list[Prompt], counts: Counts) -> list[Prompt]:
         kept = []
         for p in prompts:
-            shared = next((g for text in prompt_texts(p) for g in ngrams(text, self.n) if g in self.eval_ngrams), None)
+            shared = self.shared_ngram(p)
             if shared is None:
                 kept.append(p)
             elif len(self.examples) < 20:

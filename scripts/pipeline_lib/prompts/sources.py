@@ -91,7 +91,7 @@ def source_kind(spec: SourceSpec) -> tuple[str, str]:
 
 def source_label(spec: SourceSpec, fmt: str, kind: str) -> str:
     """The `source` of each row and the prefix of its id: stable across machines."""
-    if fmt in ("mtbench", "chitchat"):
+    if fmt in ("mtbench", "chitchat", "humaneval", "champ"):
         return fmt
     if kind == "hub":
         return spec.source
@@ -105,6 +105,20 @@ def iter_chitchat_json(path: Path, data: dict) -> Iterator[RawRow]:
         if not isinstance(conv, dict):
             raise PipelineError(f"{where}: expected an object with 'messages', got {type(conv).__name__}")
         yield RawRow(str(conv_id), where, conv)
+
+
+def iter_champ_json(path: Path, data: Any) -> Iterator[RawRow]:
+    """CHAMP's v0.json: {"problems": {id: {_text, category, ...}}}; rows are named by problem id."""
+    problems = data.get("problems") if isinstance(data, dict) else None
+    if not isinstance(problems, dict):
+        raise PipelineError(f"{path}: format champ expects CHAMP's v0.json (an object with a 'problems' "
+                            f"mapping of id -> problem), got {type(data).__name__}")
+    for pid, problem in problems.items():
+        where = f"{path} problem {pid}"
+        if not isinstance(problem, dict):
+            raise PipelineError(f"{where}: expected an object with '_text' and 'category', got "
+                                f"{type(problem).__name__}")
+        yield RawRow(str(pid), where, problem)
 
 
 def iter_chatterbot_yaml(path: Path, spec: SourceSpec) -> Iterator[RawRow]:
@@ -202,6 +216,8 @@ def _load_file(path: Path, spec: SourceSpec, cache: str):
             data = json.loads(read_text(path, "prompt file"))
         except json.JSONDecodeError as err:
             raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if spec.format == "champ":
+            return iter_champ_json(path, data), ["_text", "category"], "champ"
         if isinstance(data, dict) and spec.format in ("auto", "chitchat") and _looks_like_chitchat(data):
             return iter_chitchat_json(path, data), ["messages"], "chitchat"
         if not isinstance(data, list):
