@@ -491,6 +491,9 @@ def suites_plot(suites: dict | None, plt) -> Any:
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlabel("mean acceptance length (tau), 95% interval")
     ax.axvline(1.0, color="lightgray", linestyle=":")
+    # Room on both sides: 1.0 (no help) always in view, no point on the frame.
+    ax.set_xlim(min(1.0, *(v - lo for v, lo in zip(values, lows))) - 0.1,
+                max(v + hi for v, hi in zip(values, highs)) + 0.1)
     fig.tight_layout()
     return fig
 
