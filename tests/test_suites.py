@@ -208,3 +208,31 @@ def test_real_run_reports_every_suite_with_intervals_and_degenerate_counts(e2e):
     html = (r / "drafts/default/report/report.html").read_text()
     assert "Eval suites" in html and "Acceptance length per suite and category (95% intervals)" in html
     assert "code: tau [95%]" in (r / "drafts/comparison.md").read_text()
+
+
+def test_comparison_says_when_a_variant_differs_beyond_the_paired_interval(e2e, tmp_path):
+    """compare_variants on the real report and a copy whose trained draft accepted one more
+    token per verify step on every prompt: the paired bootstrap calls it a difference; an
+    identical copy is not."""
+    v = json.loads((e2e.results / "drafts/default/report/verification.json").read_text())
+    better = json.loads(json.dumps(v))
+    better["variant"] = "better"
+    for r in better["acceptance"]["requests"]["trained"]:
+        r["num_accepted_tokens"] += r["num_drafts"]
+    same = {**json.loads(json.dumps(v)), "variant": "same"}
+    paths = []
+    for report in (v, better, same):
+        p = tmp_path / report["variant"] / "verification.json"
+        p.parent.mkdir()
+        p.write_text(json.dumps(report))
+        paths.append(p)
+    csv_path = tmp_path / "comparison.csv"
+    run_script("compare_variants.py", "--reports", *paths, "--out", csv_path, "--markdown", tmp_path / "c.md")
+    import pandas as pd
+
+    table = pd.read_csv(csv_path).set_index("variant")
+    assert table.loc["better", "suite:eval:differs_vs_default"] and table.loc["better", "suite:code:differs_vs_default"]
+    assert table.loc["better", "suite:eval:difference_vs_default"] == pytest.approx(1.0)
+    assert not table.loc["same", "suite:eval:differs_vs_default"]
+    md = (tmp_path / "c.md").read_text()
+    assert "95% interval (paired)" in md and "YES" in md and "no (within the interval)" in md
