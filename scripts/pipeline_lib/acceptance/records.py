@@ -149,6 +149,7 @@ class RunResult:
     engine_start_s: float | None = None
     # The backend's proof of its own exactness, when it has one (acceptance.json "self_check").
     self_check: dict | None = None
+    parts_s: dict[str, float] | None = None  # where the run's seconds went, when the backend splits them
 
 
 class BackendFailure(Exception):

@@ -65,7 +65,8 @@ def assemble(spec: MeasureSpec, backend: str, runs: dict[str, RunResult], notes:
         "requests": {"trained": request_summaries(runs["trained"].records),
                      "untrained": request_summaries(runs["untrained"].records)},
         "timing": {"engine_start_s": {n: r.engine_start_s for n, r in runs.items() if r.engine_start_s is not None},
-                   "generate_wall_s": {n: round(r.wall_s, 4) for n, r in runs.items()}},
+                   "generate_wall_s": {n: round(r.wall_s, 4) for n, r in runs.items()},
+                   "parts_s": {n: r.parts_s for n, r in runs.items() if r.parts_s} or None},
         "self_check": {n: r.self_check for n, r in runs.items() if r.self_check is not None} or None,
         "notes": notes,
     }

@@ -131,6 +131,9 @@ def measure_transformers(spec: MeasureSpec, engine_script: str | None = None) ->
         "no_draft": RunResult(records=records["no_draft"], wall_s=seconds["generate"], concurrency_one=c1_plain,
                               concurrency_one_wall_s=c1_plain_wall),
     }
+    runs["trained"].parts_s = {**{n: round(v, 4) for n, v in seconds.items()},
+                               "concurrency_one_chain": round(c1_wall, 4),
+                               "concurrency_one_plain": round(c1_plain_wall, 4)}
     check = runs["trained"].self_check
     if check and not check["passed"]:
         spec.log(f"[acceptance] WARNING: batched records differ from chain speculation on {check['differing_ids']}")
