@@ -7,7 +7,8 @@ from that start that equals x_{s+1..s+k}. The proposals from a start depend only
 and the target's hidden states there. So:
 
 1. the target's greedy continuation, batched (`greedy_continuations`), `max_tokens + k - 1`
-   tokens, past EOS too (the last verify step compares drafts beyond EOS / max_tokens);
+   tokens or up to EOS and k - 1 tokens past it (the last verify step compares drafts beyond
+   EOS / max_tokens);
 2. one teacher-forced target forward over prompt + continuation -> aux hidden states g_p;
 3. the draft's k proposals from EVERY start in k batched draft passes (`draft_proposals`):
    level 0 is the draft's context pass (pair (x_{p+1}, g_p) at position p+1, causal); level j
@@ -25,27 +26,56 @@ from .draft import EagleDraft
 from .records import RequestRecord
 
 
-def greedy_continuations(target, prompts: list[list[int]], new_tokens: int, pad_id: int, device) -> list[list[int]]:
-    """Greedy continuations of exactly `new_tokens` tokens for prompts of one batch (HF
-    generate, left-padded), not stopping at EOS."""
+def needed_length(continuation: list[int], new_tokens: int, eos: set[int], k: int) -> int:
+    """How much of a greedy continuation the step walk reads: up to the first EOS plus the k - 1
+    tokens after it (the last verify step may compare drafts past EOS), at most new_tokens."""
+    first_eos = next((i for i, t in enumerate(continuation) if t in eos), None)
+    return new_tokens if first_eos is None else min(new_tokens, first_eos + k)
+
+
+class _PastEosEnough:
+    """generate stopping criterion: a row is done once it has its first EOS and the k - 1
+    tokens after it (EOS itself does not stop generate, so rows continue past it)."""
+
+    def __init__(self, width: int, eos: set[int], k: int):
+        self.width, self.eos, self.k = width, sorted(eos), k
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        generated = input_ids[:, self.width:]
+        is_eos = torch.isin(generated, torch.tensor(self.eos, device=input_ids.device))
+        first = is_eos.int().argmax(dim=1)
+        return is_eos.any(dim=1) & (generated.shape[1] >= first + self.k)
+
+
+def greedy_continuations(target, prompts: list[list[int]], new_tokens: int, eos: set[int], k: int, pad_id: int,
+                         device) -> list[list[int]]:
+    """Greedy continuations for prompts of one batch (HF generate, left-padded): each row runs
+    past its EOS, to `needed_length` (new_tokens without EOS), and is cut there."""
     import torch
+    from transformers import StoppingCriteriaList
 
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    # No EOS: every row runs to new_tokens (the rows' EOS is applied later). generate fills an
-    # unset eos_token_id from the model's generation config, so that one is cleared meanwhile.
+    # generate's own EOS stop would end a row at EOS; it fills an unset eos_token_id from the
+    # model's generation config, so that one is cleared meanwhile.
     config, saved = target.generation_config, target.generation_config.eos_token_id
     config.eos_token_id = None
     try:
         out = target.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=pad_id)
+                              pad_token_id=pad_id,
+                              stopping_criteria=StoppingCriteriaList([_PastEosEnough(width, eos, k)]))
     finally:
         config.eos_token_id = saved
-    cont = out[:, width:].tolist()
-    if any(len(c) != new_tokens for c in cont):
-        raise RuntimeError(f"generate returned {sorted({len(c) for c in cont})} new tokens, not {new_tokens}")
-    return cont
+    conts = []
+    for row in out[:, width:].tolist():
+        need = needed_length(row, new_tokens, eos, k)
+        if len(row) < need:
+            raise RuntimeError(f"generate returned {len(row)} new tokens, fewer than the {need} needed")
+        conts.append(row[:need])
+    return conts
 
 
 def right_padded(seqs: list[list[int]], device):
@@ -86,8 +116,8 @@ def draft_proposals(draft: EagleDraft, input_ids, aux, k: int):
 
 def walk_steps(prompt_len: int, sequence: list[int], proposals: list[list[int]], k: int, max_tokens: int,
                eos: set[int]) -> RequestRecord:
-    """The chain's verify steps, replayed: `sequence` = prompt + greedy continuation (at least
-    max_tokens + k - 1 tokens), `proposals[p]` = the k proposals after token x_{p+1}."""
+    """The chain's verify steps, replayed: `sequence` = prompt + greedy continuation (to
+    `needed_length`), `proposals[p]` = the k proposals after token x_{p+1}."""
     s = prompt_len  # index of the last known token: the prefill's token x_n
     tokens = [sequence[s]]
     steps_acc: list[int] = []

@@ -50,7 +50,7 @@ def measure_batched(target, drafts: dict[str, EagleDraft], subsets: dict[str, li
     any_draft = next(iter(drafts.values()))
     for batch in _batches(prompts, batch_size):
         t0 = time.perf_counter()
-        conts = greedy_continuations(target, [p.token_ids for p in batch], new_tokens, pad_id, device)
+        conts = greedy_continuations(target, [p.token_ids for p in batch], new_tokens, eos, k, pad_id, device)
         _sync(device)
         seconds["generate"] += time.perf_counter() - t0
         for p, cont in zip(batch, conts):
