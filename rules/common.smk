@@ -133,6 +133,8 @@ def acceptance_settings(variant):
     # Only when set: the default (all prompts) leaves existing acceptance results up to date.
     if cfg["verify"]["untrained_prompts"] is not None:
         value["untrained_prompts"] = cfg["verify"]["untrained_prompts"]
+    if cfg["verify"]["backend"] == "transformers":  # vLLM batches on its own
+        value["batch_size"] = cfg["verify"]["batch_size"]
     value["reasoning_parser"] = cfg["generation"]["reasoning_parser"]
     # Eval prompts are rendered like the training prompts (e.g. Qwen3 enable_thinking).
     value["chat_template_kwargs"] = cfg["generation"]["chat_template_kwargs"]

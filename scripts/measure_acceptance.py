@@ -21,7 +21,8 @@ backend's own message and the script still exits 0, so the report can show it.
 
 Settings (config.yaml `verify`): backend (vllm | transformers), num_speculative_tokens,
 num_prompts (null = all), max_tokens, dtype (float32 on CPU: greedy equality is exact only
-in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser; optional
+in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser, batch_size
+(transformers backend: prompts per batched pass); optional
 chat_template_kwargs and trust_remote_code.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ from pipeline_lib.target import load_config, text_config  # noqa: E402
 
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,
             "dtype": "float32", "concurrency_one_prompts": 8, "untrained_prompts": None, "reasoning_parser": None,
-            "chat_template_kwargs": {}, "trust_remote_code": False, "suites": [], "degenerate": {}}
+            "chat_template_kwargs": {}, "trust_remote_code": False, "suites": [], "degenerate": {},
+            "batch_size": 64}
 
 
 def parse_args() -> argparse.Namespace:
@@ -179,7 +181,7 @@ def main() -> int:
         dtype=settings["dtype"], concurrency_one_prompts=min(settings["concurrency_one_prompts"], len(prompts)),
         untrained_prompts=settings["untrained_prompts"],
         eos_token_ids=eos_token_ids(Path(args.target), tokenizer), reasoning_end_token_id=end_id,
-        context_limit=context_limit,
+        context_limit=context_limit, batch_size=settings["batch_size"],
         trust_remote_code=settings["trust_remote_code"])
 
     header = {
