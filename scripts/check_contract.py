@@ -673,6 +673,10 @@ def check_serving_render(ctx: Context) -> Check:
                      f"not run: vLLM is not importable here ({err}), so the serving engine's own chat rendering "
                      f"cannot be compared with the training rows; run the contract checks where vLLM is "
                      f"installed (the serving stack) to prove it", required=False)
+    except Exception as err:  # vLLM refuses the target's config or tokenizer: it could not serve it either
+        return Check(SERVING_RENDER, False, expected, None,
+                     f"vLLM cannot build its chat renderer for {ctx.target} ({type(err).__name__}: "
+                     f"{' '.join(str(err).split())[:400]}), so it could not serve this target as it is")
     row_ids = ctx.stats.get("row_ids")
     datasets.disable_progress_bars()
     data = datasets.load_from_disk(str(ctx.tokenized_data)).with_format(None)
