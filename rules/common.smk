@@ -144,6 +144,16 @@ def acceptance_settings(variant):
     return json.dumps(value, sort_keys=True)
 
 
+def contract_settings(variant):
+    """What the contract checks read: the reference draft, the train-vs-serve sample size, and
+    how the variant's tokenized rows were rendered (the same template arguments for vLLM's render)."""
+    cfg = stages.variant_config(config, variant)
+    return json.dumps({"reference_draft": cfg["verify"]["reference_draft"],
+                       "serve_render_rows": cfg["verify"]["serve_render_rows"],
+                       "chat_template_kwargs": cfg["generation"]["chat_template_kwargs"],
+                       "trust_remote_code": cfg["target"]["trust_remote_code"]}, sort_keys=True)
+
+
 def variant_settings(variant):
     """The train section as the variant sees it (base keys with its overrides)."""
     return stages.settings_json(stages.variant_config(config, variant)["train"])

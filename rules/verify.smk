@@ -11,12 +11,15 @@ rule contract_checks:
         hs_manifest=lambda wc: hs_manifest_for(wc.variant),
         hs_record=f"{R}/drafts/{{variant}}/hidden_states.json",
         tokenized_stats=variant_file("tokenized", "stats.json"),
+        # Train vs serve: sampled training rows against vLLM's render of their conversations.
+        tokenized_data=variant_file("tokenized", "data"),
+        traces=variant_file("traces", "traces.jsonl"),
     output:
         f"{R}/drafts/{{variant}}/verify/contract.json",
     params:
         # Only what the checks read: a change of k or thresholds must not rerun them.
         script=script("check_contract.py"),
-        settings=lambda wc: json.dumps({"reference_draft": config["verify"]["reference_draft"]}),
+        settings=lambda wc: contract_settings(wc.variant),
         code=code_version("check_contract.py"),
     conda:
         CONDA_ENV
@@ -32,7 +35,8 @@ rule contract_checks:
         "python {params.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
         " --draft {input.draft} --hs-manifest {input.hs_manifest} --hs-record {input.hs_record}"
-        " --tokenized-stats {input.tokenized_stats} --out {output} > {log} 2>&1"
+        " --tokenized-stats {input.tokenized_stats} --tokenized-data {input.tokenized_data}"
+        " --traces {input.traces} --out {output} > {log} 2>&1"
 
 
 rule eval_suite:

@@ -4,7 +4,10 @@ vLLM's speculators loader expects, before anyone measures or ships it.
 
 Writes contract.json: {"passed", "summary", "checks": [{name, passed, expected, seen, detail,
 required}], "reference"}. `passed` is true only if every required check passed; a check that
-could not run because an earlier one failed has passed = null. A broken draft (no config.json,
+could not run because an earlier one failed has passed = null. The train-vs-serve check
+(training_data.matches_serving_render) needs vLLM: where vLLM is not installed it is reported
+as not run, saying why, and informational (required false), so such a box can still build.
+A broken draft (no config.json,
 another speculator type, random embeddings, ...) is a result, not a crash: the script writes
 contract.json and exits 0; make_report decides whether the build fails. Missing pipeline
 inputs other than the draft (manifests, stats) are errors (exit 2).
@@ -12,13 +15,16 @@ inputs other than the draft (manifests, stats) are errors (exit 2).
     python scripts/check_contract.py --settings '{}' --target R/target/model \\
         --target-manifest R/target/manifest.json --draft R/drafts/default/final \\
         --hs-manifest R/hidden_states/manifest.json --tokenized-stats R/tokenized/stats.json \\
-        --hs-record R/drafts/default/hidden_states.json --out R/drafts/default/verify/contract.json
+        --hs-record R/drafts/default/hidden_states.json --tokenized-data R/tokenized/data \\
+        --traces R/traces/traces.jsonl --out R/drafts/default/verify/contract.json
 
 With online training (hidden_states.mode: online) --hs-manifest is the train job's
 hidden_states.json too: the layer ids its vLLM server extracted.
 
 Settings (config.yaml `verify`): reference_draft (a checkpoint dir compared side by side;
-differences are reported, they do not fail the contract).
+differences are reported, they do not fail the contract); serve_render_rows (tokenized rows,
+evenly spaced, whose prompts are compared with vLLM's render; null = all). From the tokenized
+instance: chat_template_kwargs (rendered as generation and tokenize did) and trust_remote_code.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.assets import resolve_asset  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.io import atomic_write_json, read_json  # noqa: E402
+from pipeline_lib.io import atomic_write_json, read_json, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 from pipeline_lib.secrets import scrub_obj  # noqa: E402
 from pipeline_lib.target import load_config, load_manifest, num_layers, text_config  # noqa: E402
@@ -111,6 +117,8 @@ class Context:
     stats: dict
     settings: dict
     hs_record: dict | None = None   # what train_draft says it trained on (drafts/<v>/hidden_states.json)
+    tokenized_data: Path | None = None  # R/tokenized/data (speculators' rows) and the traces they came from
+    traces: Path | None = None
     draft_config: dict | None = None
     config_error: str | None = None
     _weights: Any = None
@@ -337,11 +345,14 @@ def check_hs_target(ctx: Context) -> Check:
                                "is missing); rerun hidden-state extraction")
 
 
+@check("hidden_states.read_as_stored")
 def check_read_as_stored(ctx: Context) -> Check:
     """Training read the hidden states through speculators' transfer for their storage format:
     fp8 files read as plain files would train on unscaled fp8 values without any error."""
     from pipeline_lib.hidden_states.formats import FORMATS
 
+    if ctx.hs_record is None:
+        raise NotRun("no training hidden-states record (--hs-record, drafts/<variant>/hidden_states.json)")
     storage = ctx.hs_manifest.get("storage", "bf16")
     seen = {k: (ctx.hs_record or {}).get(k) for k in ("mode", "storage", "transfer")}
     expected = {"storage": storage, "transfer": FORMATS[storage].transfer_backend if storage in FORMATS else None}
@@ -534,6 +545,174 @@ _digest_check("tokenizer_digest")
 _digest_check("chat_template_digest")
 
 
+# ---------------------------------------------------------------------------------------------
+# Train vs serve: the prompt tokens the draft trained on are the ones the serving engine feeds
+
+
+SERVING_RENDER = "training_data.matches_serving_render"
+SERVING_RENDER_ROWS = 8   # default of verify.serve_render_rows
+
+
+class ServingRenderer:
+    """vLLM's own chat rendering of the target, built as vLLM's GPU-less render server builds
+    it (entrypoints/launchers/render: model config -> VllmConfig -> renderer_from_config, no
+    engine) and called as LLM.chat / enqueue_chat call it (LLM._preprocess_chat): vLLM's
+    resolved chat template, its tokenizer loading, add_generation_prompt, no special tokens
+    added by the tokenizer."""
+
+    def __init__(self, target: Path, settings: dict):
+        # ImportError here means "vLLM is not installed": the caller reports the check as not run.
+        from vllm.config import VllmConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.renderers import ChatParams, merge_kwargs, renderer_from_config
+        from vllm.utils.mistral import is_mistral_tokenizer
+
+        model_config = EngineArgs(model=str(target),
+                                  trust_remote_code=bool(settings.get("trust_remote_code"))).create_model_config()
+        model_config.quantization = None  # rendering only: no kernels to validate
+        self.renderer = renderer_from_config(VllmConfig(model_config=model_config))
+        self.chat_params = ChatParams(chat_template_kwargs=merge_kwargs(
+            settings.get("chat_template_kwargs") or {},
+            dict(add_generation_prompt=True, continue_final_message=False, tools=None,
+                 tokenize=is_mistral_tokenizer(self.renderer.tokenizer) or model_config.enable_prompt_embeds)))
+        self.tok_params = self.renderer.default_chat_tok_params.with_kwargs(add_special_tokens=False)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        _, (engine_input,) = self.renderer.render_chat([messages], self.chat_params, self.tok_params)
+        return list(engine_input["prompt_token_ids"])
+
+    def text(self, ids: list[int]) -> str:
+        return self.renderer.tokenizer.decode(ids)
+
+
+def turn_requests(row: dict) -> list[list[dict]]:
+    """The messages each answered user turn of a trace row sent to the target, in order (the
+    traces stage's own context rule, pipeline_lib.traces.turn_messages); a failed turn ends it."""
+    from pipeline_lib.traces import row_turns, turn_messages
+
+    later_users = [t["user"] for t in row.get("later_turns") or []]
+    requests, earlier = [], []
+    for k, turn in enumerate(row_turns(row)):
+        if turn.get("finish_reason") == "error":
+            break
+        requests.append(turn_messages(row["messages"], earlier, later_users[:k]))
+        earlier.append((turn.get("answer"), turn.get("reasoning") or None))
+    return requests
+
+
+def answer_starts(loss_mask: list[int]) -> list[int]:
+    """Where each trained answer starts: the first token of every run of loss-masked tokens."""
+    return [i for i, m in enumerate(loss_mask) if m and (i == 0 or not loss_mask[i - 1])]
+
+
+def sample_indices(n: int, k: int | None) -> list[int]:
+    """k row indices evenly spaced over n rows (all when k is None or >= n)."""
+    if k is None or k >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_row(serving: ServingRenderer, row_id: str, ids: list[int], mask: list[int],
+                requests: list[list[dict]]) -> tuple[int, list[dict]]:
+    """(turns compared, mismatches) of one training row. Each answer's prompt part (the row's
+    tokens before it) must equal vLLM's render of one turn's request, turns in order. A row
+    that continues a conversation (`<id>#2`) starts at a later turn, and a turn whose answer
+    has no token in the loss has no run, so each answer is matched to the first of the
+    remaining turns whose render equals it; when none does, the mismatch is reported against
+    the turn whose render agrees longest."""
+    compared, mismatches, next_turn = 0, [], 0
+    renders: dict[int, list[int]] = {}
+    for start in answer_starts(mask):
+        prompt = ids[:start]
+        candidates = range(next_turn, len(requests))
+        for k in candidates:
+            renders.setdefault(k, serving.ids(requests[k]))
+            if renders[k] == prompt:
+                compared, next_turn = compared + 1, k + 1
+                break
+        else:
+            compared += 1
+            if not candidates:
+                mismatches.append({"row": row_id, "turn": None, "answer_at": start,
+                                   "problem": f"more answers in the row than the trace has turns ({len(requests)})"})
+                break
+            k = max(candidates, key=lambda j: first_difference(renders[j], prompt))
+            at = first_difference(renders[k], prompt)
+            mismatches.append({
+                "row": row_id, "turn": k + 1, "answer_at": start, "first_difference": at,
+                "training_tokens": len(prompt), "serving_tokens": len(renders[k]),
+                "training": serving.text(prompt[at:at + 12]), "serving": serving.text(renders[k][at:at + 12])})
+            break  # later answers of this row follow a prompt that already differs
+    return compared, mismatches
+
+
+@check(SERVING_RENDER)
+def check_serving_render(ctx: Context) -> Check:
+    """A sample of tokenized rows: every answer's prompt part equals, token for token, what
+    vLLM's own chat rendering makes of the same request (reasoning and end-of-turn tokens of
+    earlier answers included). The digests say the template file is the same; this says the
+    engine that serves the target feeds the draft the context it was trained after."""
+    import datasets
+
+    if ctx.tokenized_data is None or ctx.traces is None:
+        raise NotRun("no tokenized data or traces given (--tokenized-data, --traces)")
+    want = ctx.settings.get("serve_render_rows", SERVING_RENDER_ROWS)
+    if want is not None and (not isinstance(want, int) or isinstance(want, bool) or want < 1):
+        raise PipelineError(f"setting verify.serve_render_rows = {want!r}: give an integer >= 1 (rows compared) "
+                            f"or null (all rows)")
+    expected = ("each sampled training row's prompt ids before every answer = vLLM's chat render of that "
+                "turn's request, token for token")
+    try:
+        serving = ServingRenderer(ctx.target, ctx.settings)
+    except ImportError as err:
+        return Check(SERVING_RENDER, None, expected, None,
+                     f"not run: vLLM is not importable here ({err}), so the serving engine's own chat rendering "
+                     f"cannot be compared with the training rows; run the contract checks where vLLM is "
+                     f"installed (the serving stack) to prove it", required=False)
+    except Exception as err:  # vLLM refuses the target's config or tokenizer: it could not serve it either
+        return Check(SERVING_RENDER, False, expected, None,
+                     f"vLLM cannot build its chat renderer for {ctx.target} ({type(err).__name__}: "
+                     f"{' '.join(str(err).split())[:400]}), so it could not serve this target as it is")
+    row_ids = ctx.stats.get("row_ids")
+    datasets.disable_progress_bars()
+    data = datasets.load_from_disk(str(ctx.tokenized_data)).with_format(None)
+    if not isinstance(row_ids, list) or len(row_ids) != len(data):
+        raise NotRun(f"tokenized/stats.json row_ids ({len(row_ids) if isinstance(row_ids, list) else 'missing'}) "
+                     f"do not name the {len(data)} rows of {ctx.tokenized_data}; rerun the tokenize stage")
+    picked = sample_indices(len(data), want)
+    trace_ids = {row_ids[i].split("#")[0] for i in picked}
+    traces = {}
+    for _, row in read_jsonl(ctx.traces):
+        if str(row.get("id")) in trace_ids:
+            traces[str(row["id"])] = row
+    compared, mismatches, multi_turn = 0, [], 0
+    for i in picked:
+        trace_id = row_ids[i].split("#")[0]
+        if trace_id not in traces:
+            raise PipelineError(f"{ctx.traces}: no trace row {trace_id!r}, which tokenized row {i} ({row_ids[i]}) "
+                                f"came from; the traces and the tokenized data are of different runs")
+        requests = turn_requests(traces[trace_id])
+        multi_turn += len(requests) > 1
+        n, bad = compare_row(serving, row_ids[i], data[i]["input_ids"], data[i]["loss_mask"], requests)
+        compared += n
+        mismatches += bad
+    seen = {"rows": len(picked), "of_rows": len(data), "answers_compared": compared,
+            "multi_turn_rows": multi_turn, "rows_differing": len(mismatches), "mismatches": mismatches[:5]}
+    if not mismatches:
+        return Check(SERVING_RENDER, True, expected, seen)
+    m = mismatches[0]
+    where = (f"row {m['row']} turn {m['turn']}: token {m['first_difference']} is {m['training']!r} in training, "
+             f"{m['serving']!r} as vLLM renders it" if m["turn"] else f"row {m['row']}: {m['problem']}")
+    return Check(SERVING_RENDER, False, expected, seen,
+                 f"{len(mismatches)} of {len(picked)} sampled rows were trained after prompt tokens the serving engine "
+                 f"does not produce ({where}); the draft learned a context it never sees when served. Retokenize "
+                 f"with the template and chat_template_kwargs vLLM serves the target with (rerun tokenize)")
+
+
 def run_check(name: str, fn: Callable[[Context], Check], ctx: Context) -> Check:
     try:
         result = fn(ctx)
@@ -541,6 +720,8 @@ def run_check(name: str, fn: Callable[[Context], Check], ctx: Context) -> Check:
         return result
     except NotRun as why:
         return Check(name, None, None, None, f"not run: {why}")
+    except PipelineError:  # a pipeline input (not the draft) is unusable: exit 2 naming it
+        raise
     except Exception as err:  # a malformed field must not hide the other checks
         return Check(name, False, None, None, f"check crashed on this draft: {type(err).__name__}: {err}")
 
@@ -615,7 +796,10 @@ def main() -> int:
     p.add_argument("--draft", required=True, help="draft checkpoint dir (R/drafts/<variant>/final)")
     p.add_argument("--hs-manifest", required=True, help="R/hidden_states/manifest.json")
     p.add_argument("--tokenized-stats", required=True, help="R/tokenized/stats.json")
-    p.add_argument("--hs-record", help="R/drafts/<variant>/hidden_states.json (what training read, and how)")
+    p.add_argument("--hs-record", required=True,
+                   help="R/drafts/<variant>/hidden_states.json (what training read, and how)")
+    p.add_argument("--tokenized-data", required=True, help="R/tokenized/data (the rows the draft trained on)")
+    p.add_argument("--traces", required=True, help="R/traces/traces.jsonl (the conversations those rows came from)")
     p.add_argument("--out", required=True, help="contract.json to write")
     args = p.parse_args()
     runtime.setup()
@@ -626,14 +810,16 @@ def main() -> int:
                   target_manifest=load_manifest(args.target_manifest),
                   hs_manifest=read_json(args.hs_manifest, "hidden-states manifest"),
                   stats=read_json(args.tokenized_stats, "tokenized stats"), settings=args.settings,
-                  hs_record=read_json(args.hs_record, "training hidden-states record") if args.hs_record else None)
+                  hs_record=read_json(args.hs_record, "training hidden-states record"),
+                  tokenized_data=Path(args.tokenized_data), traces=Path(args.traces))
+    for what, path in (("tokenized data", ctx.tokenized_data), ("traces", ctx.traces)):
+        if not path.exists():
+            raise PipelineError(f"{path}: {what} not found; run the tokenize stage (and the traces stage) first")
     if not ctx.draft.is_dir():
         raise PipelineError(f"{ctx.draft}: draft dir not found; run the train_draft rule first")
     load_draft_config(ctx)
 
     checks = [run_check(name, fn, ctx) for name, fn in CHECKS]
-    if ctx.hs_record is not None:
-        checks.append(run_check("hidden_states.read_as_stored", check_read_as_stored, ctx))
     reference = None
     if args.settings.get("reference_draft"):
         ref_checks, reference = compare_reference(ctx, args.settings["reference_draft"])
@@ -651,7 +837,7 @@ def main() -> int:
     prov.write(Path(args.out).with_name(Path(args.out).stem + ".provenance.json"),
                inputs={"target": args.target, "target_manifest": args.target_manifest, "draft": args.draft,
                        "hs_manifest": args.hs_manifest, "tokenized_stats": args.tokenized_stats,
-                       **({"hs_record": args.hs_record} if args.hs_record else {})},
+                       "hs_record": args.hs_record, "tokenized_data": args.tokenized_data, "traces": args.traces},
                outputs={"contract": args.out})
     for c in record["checks"]:
         mark = {True: "PASS", False: "FAIL", None: "----"}[c["passed"]]

@@ -7,8 +7,8 @@ target (the same shape, weights set so that greedy decoding reasons, closes </th
 answers).
 
 `e2e` is the one complete local run of the whole chain on the reasoning target, shared by
-every test that inspects a real run (test_e2e, test_verify, test_proofs, test_slurm compares
-its SLURM run with it). Set EAGLE3_E2E_WORKDIR to keep that run in a directory of your own
+every test that inspects a real run (test_e2e, test_verify, test_secrets, test_faults;
+test_slurm compares its SLURM run with it). Set EAGLE3_E2E_WORKDIR to keep that run in a directory of your own
 between sessions while developing: Snakemake then reruns only what changed."""
 from __future__ import annotations
 

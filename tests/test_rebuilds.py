@@ -179,6 +179,8 @@ CASES = {
     "verify_k": (lambda c: c["verify"].update(num_speculative_tokens=2), VERIFY_ONLY),
     "verify_threshold": (lambda c: c["verify"]["thresholds"].update(min_mean_acceptance_length=1.1),
                          {job("report", variant="default")} | COMPARE),
+    "verify_serve_render_rows": (lambda c: c["verify"].update(serve_render_rows=3),
+                                 {job("contract_checks", variant="default"), job("report", variant="default")} | COMPARE),
     "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {job("prompts_eval")} | VERIFY_ONLY),
     "eval_held_out_samples": (lambda c: c["prompts"].update(eval_held_out_samples=2),
                               TRAIN_PROMPTS | {job("prompts_eval")} | AFTER_TRACES),

