@@ -35,7 +35,7 @@ from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.assets import resolve_asset  # noqa: E402
 from pipeline_lib.digests import dir_manifest, json_digest, manifest_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.io import atomic_dir, atomic_write_json  # noqa: E402
+from pipeline_lib.io import atomic_dir, atomic_write_json, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 from pipeline_lib.target import (chat_template_digest, has_chat_template, load_config, text_config,  # noqa: E402
                                  tokenizer_digest, weights_digest)
@@ -146,6 +146,10 @@ def _copy_model_dir(src: Path, out: Path, trust_remote_code: bool) -> None:
     """Top-level files of a HF model dir into `out`: big files hard-linked, the rest copied."""
     if not (src / "config.json").exists():
         raise PipelineError(f"{src}: no config.json; a local target must be a HF model dir")
+    # Check the JSON files (configs, tokenizer) here, where an error can name the user's file
+    # and the bad byte; transformers later would only say the copy "is not a valid JSON file".
+    for config_file in sorted(src.glob("*.json")):
+        read_json(config_file, "target JSON file")
     weights = sorted(src.glob("*.safetensors"))
     if not weights:
         others = sorted(p.name for p in src.iterdir() if p.suffix in SKIPPED_WEIGHT_SUFFIXES)

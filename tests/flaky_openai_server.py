@@ -2,12 +2,13 @@
 """A flaky OpenAI-compatible chat server on 127.0.0.1, for the openai backend's fault tests.
 
     python tests/flaky_openai_server.py --port P --log requests.jsonl [--seed 0] [--max-faults 2]
-        [--always-fail TEXT ...] [--retry-after 3] [--stall-s 2.5] [--die-after-answers N]
+        [--always-fail TEXT ...] [--always-not-utf8 TEXT ...] [--retry-after 3] [--stall-s 2.5] [--die-after-answers N]
 
 Each prompt (keyed by its last user message) meets a seeded random number of faults, at most
 --max-faults, on its first attempts, then gets an answer: bounded loops, so a client that
 retries enough always gets through. Prompts containing an --always-fail text get HTTP 500 on
-every attempt. The faults:
+every attempt; prompts containing an --always-not-utf8 text get the not_utf8 fault on every
+attempt. The faults:
 
   http500      HTTP 500 with an OpenAI error object
   http429      HTTP 429 with `Retry-After: <--retry-after>`
@@ -67,6 +68,8 @@ class State:
             self.attempts[prompt] = n
         if any(text in prompt for text in self.args.always_fail):
             return n, "http500"
+        if any(text in prompt for text in self.args.always_not_utf8):
+            return n, "not_utf8"
         plan = fault_plan(prompt, self.args.seed, self.args.max_faults)
         return n, plan[n - 1] if n <= len(plan) else None
 
@@ -146,6 +149,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-faults", type=int, default=2)
     p.add_argument("--always-fail", nargs="*", default=[])
+    p.add_argument("--always-not-utf8", nargs="*", default=[])
     p.add_argument("--retry-after", type=int, default=3)
     p.add_argument("--stall-s", type=float, default=2.5)
     p.add_argument("--die-after-answers", type=int, default=0)

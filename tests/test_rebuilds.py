@@ -79,6 +79,19 @@ def prompt_rows(n: int) -> list[dict]:
             for i in range(n)]
 
 
+EVAL_COPY = "eval_mtbench_first10.jsonl"
+
+
+def base_eval_source() -> str:
+    from conftest import base_test_config
+
+    return base_test_config(Path("."))["prompts"]["eval"]["source"]
+
+
+def _local_eval_source(c: dict) -> None:
+    c["prompts"]["eval"]["source"] = str(Path(c["prompts"]["train"]["source"]).with_name(EVAL_COPY))
+
+
 def rebuild_config(tiny_target: Path, prompts: Path) -> dict:
     from conftest import base_test_config
 
@@ -118,9 +131,21 @@ def built(tmp_path_factory, tiny_target):
     work.mkdir()
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(20)))
+    # Another eval source for the eval-source case: the first MT-Bench questions, as a local file.
+    from pipeline_lib.assets import resolve_asset
+
+    mtbench = Path(resolve_asset(base_eval_source())).read_text().splitlines(keepends=True)
+    (work / EVAL_COPY).write_text("".join(mtbench[:10]))
     cfg = rebuild_config(tiny_target, prompts)
     run_snakemake(work, cfg, snakefile=repo / "Snakefile")
     return repo, work, cfg
+
+
+@pytest.fixture(scope="module")
+def moved(built, tmp_path_factory) -> Path:
+    """One copy of the finished working dir at another path, shared by the dry-run-only
+    tests (a dry-run writes nothing that changes a later plan: see the first test)."""
+    return clone(built[1], tmp_path_factory.mktemp("moved") / "w")
 
 
 def clone(work: Path, dest: Path) -> Path:
@@ -200,6 +225,14 @@ CASES = {
     "decontaminate_with": (lambda c: c["prompts"].update(decontaminate_with=[{k: CHAMP_SUITE[k] for k in
                                                                                 ("source", "format")}]),
                            TRAIN_PROMPTS | AFTER_TRACES),
+    # The eval source (file or format) defines both splits: training rows are checked against it.
+    "eval_source_file": (_local_eval_source, TRAIN_PROMPTS | {job("prompts_eval")} | AFTER_TRACES),
+    # Planned only (a dry-run reads no rows): the format is part of what the split is.
+    "eval_source_format": (lambda c: c["prompts"]["eval"].update(format="sharegpt"),
+                           TRAIN_PROMPTS | {job("prompts_eval")} | AFTER_TRACES),
+    "generation_turns": (lambda c: c["generation"].update(turns="all"), AFTER_TRACES),
+    "generation_max_turns": (lambda c: c["generation"].update(turns="all", max_turns=2), AFTER_TRACES),
+    "generation_source": (lambda c: c["generation"].update(source="dataset"), AFTER_TRACES),
     "temperature": (lambda c: c["generation"].update(temperature=0.7), AFTER_TRACES),
     "max_tokens": (lambda c: c["generation"].update(max_tokens=20), AFTER_TRACES),
     "aux_layer_ids": (lambda c: c["hidden_states"].update(aux_layer_ids=[1, 3, 6]), AFTER_HIDDEN),
@@ -222,22 +255,24 @@ CASES = {
     "mode_online": (lambda c: c["hidden_states"].update(mode="online"), AFTER_TRAIN),
     "storage_fp8": (lambda c: c["hidden_states"].update(storage="fp8"), AFTER_HIDDEN),
     "online_only_key_offline": (lambda c: c["hidden_states"].update(server_start_timeout_s=60), set()),
+    "online_server_gpus_offline": (lambda c: c["hidden_states"].update(server_gpus=1), set()),
+    "online_request_timeout_offline": (lambda c: c["hidden_states"].update(request_timeout_s=30), set()),
     # A variant training online: its own draft jobs only (no hidden-states instance at all).
     "online_variant": (_upstream_variant("hidden_states", {"mode": "online"}), draft_jobs("v2") | COMPARE),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_change_plans_exactly_the_affected_jobs(built, tmp_path, case):
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+def test_change_plans_exactly_the_affected_jobs(built, moved, tmp_path, case):
+    repo, _, cfg = built
+    work = moved
     change, expected = CASES[case]
     assert plan(work, edited(cfg, change), repo) == expected
 
 
-def test_concurrency_and_resource_flags_plan_nothing(built, tmp_path):
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+def test_concurrency_and_resource_flags_plan_nothing(built, moved, tmp_path):
+    repo, _, cfg = built
+    work = moved
     assert plan(work, cfg, repo, "--jobs", "1", "--resources", "gpu=8", "mem_mb=1000000",
                 "--set-threads", "train_draft=1") == set()
 
@@ -264,9 +299,9 @@ def variant_jobs(cfg: dict, variant: str, own: tuple[str, ...]) -> set:
 
 
 @pytest.mark.parametrize("section", sorted(UPSTREAM_VARIANTS))
-def test_upstream_variant_plans_its_own_stage_instances_only(built, tmp_path, section):
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+def test_upstream_variant_plans_its_own_stage_instances_only(built, moved, tmp_path, section):
+    repo, _, cfg = built
+    work = moved
     change, own = UPSTREAM_VARIANTS[section]
     cfg = edited(cfg, lambda c: c["variants"].update({"v2": {section: change}}))
     dirs = instance_dirs(cfg, "v2")
@@ -275,12 +310,12 @@ def test_upstream_variant_plans_its_own_stage_instances_only(built, tmp_path, se
     assert plan(work, cfg, repo) == variant_jobs(cfg, "v2", own)
 
 
-def test_adding_a_variant_renames_nothing(built, tmp_path):
+def test_adding_a_variant_renames_nothing(built, moved, tmp_path):
     """Instance names depend on their own settings only: with a generation variant added next
     to a tokenize variant, the tokenize variant's jobs keep their wildcards. (Removing a
     variant: see the end of test_generation_variant_runs_and_shares_what_is_equal.)"""
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+    repo, _, cfg = built
+    work = moved
     tok = edited(cfg, lambda c: c["variants"].update({"tok": {"tokenize": {"max_seq_len": 96}}}))
     both = edited(tok, lambda c: c["variants"].update({"gen": {"generation": {"max_tokens": 12}}}))
     tok_jobs = variant_jobs(tok, "tok", ("tokenized", "hidden_states"))
@@ -322,6 +357,15 @@ def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
     check = subprocess.run([PY, str(repo / "scripts/check_provenance.py"), str(r)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     assert plan(work, cfg, repo) == set()
+    # Several variants inherit one change: a train knob reruns both drafts; an upstream knob
+    # both trace instances (the variant's gets a new name); a knob the variant sets itself
+    # reruns the base only.
+    lr = edited(cfg, lambda c: c["train"].update(lr=0.01))
+    assert plan(work, lr, repo) == draft_jobs("default") | draft_jobs("short") | COMPARE
+    warm = edited(cfg, lambda c: c["generation"].update(temperature=0.7))
+    assert instance_dirs(warm, "short")["traces"] != dirs["traces"]
+    assert plan(work, warm, repo) == AFTER_TRACES | variant_jobs(warm, "short", ("traces", "tokenized", "hidden_states"))
+    assert plan(work, edited(cfg, lambda c: c["generation"].update(max_tokens=20)), repo) == AFTER_TRACES
     # Removing the variant again: only the comparison table is redone, nothing is renamed.
     cfg["variants"].pop("short")
     assert plan(work, cfg, repo) == COMPARE
@@ -350,9 +394,9 @@ CODE_EDITS = {
 
 
 @pytest.mark.parametrize("path", sorted(CODE_EDITS))
-def test_code_change_reruns_its_rules_and_after(built, tmp_path, path):
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+def test_code_change_reruns_its_rules_and_after(built, moved, tmp_path, path):
+    repo, _, cfg = built
+    work = moved
     checkout = copy_workflow(tmp_path / "checkout")
     (checkout / path).write_text((checkout / path).read_text() + "\n# a code change\n")
     assert plan(work, cfg, checkout) == CODE_EDITS[path]
@@ -405,11 +449,11 @@ def test_num_shards_change_keeps_finished_rows(built, tmp_path):
 # --------------------------------------------------------------------------------- relocation
 
 
-def test_second_checkout_plans_nothing_and_edits_there_rerun_by_content(built, tmp_path):
+def test_second_checkout_plans_nothing_and_edits_there_rerun_by_content(built, moved, tmp_path):
     """The same results/ driven from another checkout (other path, fresh mtimes: a second
     clone) plans nothing; editing a script in that checkout plans its rule and what follows."""
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+    repo, _, cfg = built
+    work = moved
     second = copy_workflow(tmp_path / "second-clone", preserve_mtimes=False)
     assert plan(work, cfg, second) == set()
     script = second / "scripts" / "tokenize_traces.py"
@@ -418,11 +462,11 @@ def test_second_checkout_plans_nothing_and_edits_there_rerun_by_content(built, t
     assert plan(work, cfg, repo) == set()  # the first checkout still has the recorded code
 
 
-def test_venv_at_another_path_plans_nothing(built, tmp_path):
+def test_venv_at_another_path_plans_nothing(built, moved, tmp_path):
     """The same venv reached through another path (as after moving or recreating it
     elsewhere): pypi: assets resolve inside it, at other absolute paths, with the same bytes."""
-    repo, work, cfg = built
-    work = clone(work, tmp_path / "w")
+    repo, _, cfg = built
+    work = moved
     moved = tmp_path / "venv-elsewhere"
     moved.symlink_to(Path(sys.prefix), target_is_directory=True)
     python = moved / "bin" / Path(PY).name

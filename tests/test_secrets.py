@@ -45,6 +45,22 @@ def test_a_credential_in_the_config_is_refused_before_anything_is_written(
     assert not files_holding(tmp_path, TOKEN, KEY, "s3cretPassw0rd")  # .snakemake/ logs and metadata included
 
 
+def test_a_real_run_with_credentials_in_two_settings_refuses_before_results_exist(reasoning_target, tmp_path):
+    """Not a dry-run: the run itself refuses at parse time, naming every setting that holds a
+    credential, and creates no results/ (nothing could be written that quotes them)."""
+    cfg = base_test_config(reasoning_target)
+    cfg["generation"].update(backend="openai", endpoint=f"http://user:{TOKEN}@127.0.0.1:8000/v1")
+    cfg["verify"]["reference_draft"] = f"https://models.example.com/ref?api_key={KEY}"
+    proc = run_snakemake(tmp_path, cfg, check=False, timeout=300)
+    (tmp_path / "config.test.yaml").unlink()
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "config setting(s) generation.endpoint, verify.reference_draft hold a credential" in out
+    assert not (tmp_path / "results").exists()
+    assert TOKEN not in out and KEY not in out
+    assert not files_holding(tmp_path, TOKEN, KEY)
+
+
 def test_credentials_in_argv_and_settings_stay_out_of_outputs_provenance_and_logs(e2e, tmp_path):
     """A script run by hand with a credential-bearing setting on its command line (a
     reference draft given as a URL with a password): the contract record quotes the setting

@@ -211,6 +211,22 @@ def test_failed_run_keeps_the_previous_output(tiny_target, tmp_path, monkeypatch
     assert not [p for p in (tmp_path / "target").iterdir() if p.name.startswith(".")]  # no temp dir left
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_config_file_with_bad_bytes_names_the_file_and_byte(name, tiny_target, tmp_path, monkeypatch):
+    """A target whose config file was saved as Latin-1 (a non-UTF-8 byte in a string): a clear
+    error naming that file, its line and byte offset, and no target output."""
+    src = copy_target(tiny_target, tmp_path / "latin1-model")
+    text = (src / name).read_text()
+    cut = text.index("{") + 1
+    (src / name).write_bytes(text[:cut].encode() + b' "note": "caf\xe9",' + text[cut:].encode())
+    offset = cut + len(b' "note": "caf')
+    with pytest.raises(PipelineError) as err:
+        materialize_in_process(monkeypatch, tmp_path, {"source": "local", "path": str(src)})
+    msg = str(err.value)
+    assert str(src / name) in msg and f"byte(s) e9 at byte offset {offset}" in msg and "UTF-8" in msg, msg
+    assert not (tmp_path / "target/model").exists() and not (tmp_path / "target/manifest.json").exists()
+
+
 REMOTE_TOKENIZER = '''import os
 from pathlib import Path
 

@@ -14,8 +14,10 @@ At most one vLLM engine runs at a time (the fixtures' runs are sequential subpro
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -512,6 +514,34 @@ def test_flaky_endpoint_retries_records_failures_and_resumes_after_the_server_di
     # the row cache holds the answers only: the doomed prompt is retried by a later run
     cached = [json.loads(l)["row"] for l in cache_lines(cache)]
     assert len(cached) == len(questions) - 1 and all(r["finish_reason"] == "stop" for r in cached)
+
+
+def test_a_reply_that_is_never_utf8_fails_its_row_naming_the_byte_offset(inputs, tmp_path):
+    """A server whose every reply to one prompt carries a Latin-1 byte: after its retries the
+    row is recorded as failed, its error naming the bad byte and its offset in the reply (the
+    quoted start of the reply shows that byte there); the other prompt is answered."""
+    questions = ["Question 0: tell me about rain.", "Question 1: tell me about owls."]
+    prompts = tmp_path / "train.jsonl"
+    write_jsonl(prompts, [{"id": f"q:{i}", "messages": [{"role": "user", "content": q}], "category": None,
+                           "source": "test"} for i, q in enumerate(questions)])
+    inp = SimpleNamespace(target=inputs.target, manifest=inputs.manifest, prompts=prompts)
+    port = free_port()
+    settings = {**SETTINGS, "backend": "openai", "endpoint": f"http://127.0.0.1:{port}/v1", "retries": 1,
+                "reasoning_parser": None, "batch_size": 2}
+    server = start_flaky(port, tmp_path / "server.jsonl", "--max-faults", "0", "--always-not-utf8", "owls")
+    try:
+        res = traces(inp, settings, 0, 1, tmp_path / "cache", tmp_path / "out", timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+    ok, bad = res.rows
+    assert ok["finish_reason"] == "stop" and ok["error"] is None
+    assert bad["finish_reason"] == "error" and bad["answer"] is None
+    m = re.match(r"malformed response: reply from http://127\.0\.0\.1:\d+/v1:1: not UTF-8 text "
+                 r"\(byte\(s\) e9 at byte offset (\d+), column \d+: .*; the reply began (b'.*')$", bad["error"])
+    assert m, bad["error"]
+    assert ast.literal_eval(m.group(2))[int(m.group(1))] == 0xE9  # the offset points at the bad byte
+    assert res.summary["failed_by_error"] == {"malformed response": 1}
 
 
 # --------------------------------------------------------------------------- cheap checks
