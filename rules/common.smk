@@ -99,9 +99,10 @@ def suite_entries():
     """verify.suites by name (the schema checks names; here that they are unique and not 'eval')."""
     entries = {}
     for i, s in enumerate(config["verify"]["suites"]):
-        if s["name"] in entries or s["name"] == "eval":
+        if s["name"] in entries or s["name"] in ("eval", "held-out"):
             raise ValueError(f"verify.suites[{i}].name = {s['name']!r}: used twice or reserved ('eval' is "
-                             f"prompts/eval.jsonl); give each suite its own name")
+                             f"prompts/eval.jsonl, 'held-out' its held-out training prompts); give each "
+                             f"suite its own name")
         entries[s["name"]] = {**s, "index": i}
     return entries
 

@@ -32,7 +32,7 @@ from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_
 from pipeline_lib.provenance import DiskDigests, Provenance  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
 from pipeline_lib.secrets import scrub_obj  # noqa: E402
-from pipeline_lib.suite_stats import suite_figures  # noqa: E402
+from pipeline_lib.suite_stats import HELD_OUT_SUITE, suite_figures  # noqa: E402
 
 # settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
 THRESHOLDS = {
@@ -435,7 +435,8 @@ def suites_section(suites: dict | None) -> list[Section]:
     trained, untrained = suites["trained"]["figures"], suites["untrained"]["figures"]
     for name, s in trained.items():
         o = suites["overlap"].get(name)
-        overlap = ("checked at training (prompts_train)" if o is None else
+        overlap = ("held out of the training sources (never trained)" if name == HELD_OUT_SUITE else
+                   "checked at training (prompts_train)" if o is None else
                    f"{o['count']} of {o['suite_prompts']} ({o['fraction']:.1%})"
                    + (" **OVER THRESHOLD**" if o["over_threshold"] else "")
                    + ("" if o["declared_at_training"] else "; not decontaminated at training"))

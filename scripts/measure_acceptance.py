@@ -40,7 +40,7 @@ from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 from pipeline_lib.secrets import scrub  # noqa: E402
-from pipeline_lib.suite_stats import BASE_SUITE, degenerate_answer  # noqa: E402
+from pipeline_lib.suite_stats import BASE_SUITE, HELD_OUT_SUITE, degenerate_answer  # noqa: E402
 from pipeline_lib.target import load_config, text_config  # noqa: E402
 
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,
@@ -114,10 +114,18 @@ def suite_files(values: list[str]) -> list[tuple[str, str]]:
     out = []
     for value in values:
         name, sep, path = value.partition("=")
-        if not sep or not name or not path or name == BASE_SUITE:
-            raise PipelineError(f"--suite {value!r}: expected NAME=PATH with a NAME other than {BASE_SUITE!r}")
+        if not sep or not name or not path or name in (BASE_SUITE, HELD_OUT_SUITE):
+            raise PipelineError(f"--suite {value!r}: expected NAME=PATH with a NAME other than {BASE_SUITE!r} "
+                                f"or {HELD_OUT_SUITE!r}")
         out.append((name, path))
     return out
+
+
+def suite_of(file_suite: str, category: str | None) -> str:
+    """The suite a prompt is reported under: its file's, except that prompts/eval.jsonl's
+    held-out training prompts (traffic the draft was trained for, not the eval source) are a
+    suite of their own, so each of the two figures gets its own interval."""
+    return HELD_OUT_SUITE if file_suite == BASE_SUITE and category == HELD_OUT_SUITE else file_suite
 
 
 def annotate_requests(requests: dict[str, list[dict]], runs: dict, suite_by_id: dict[str, str], tokenizer,
@@ -170,7 +178,7 @@ def main() -> int:
         if clash:
             raise PipelineError(f"{path}: prompt id {clash!r} also appears in suite {suite_by_id[clash]!r}; "
                                 f"ids must be unique across suites (rerun eval_suite)")
-        suite_by_id.update((r.id, name) for r in rows)
+        suite_by_id.update((r.id, suite_of(name, r.category)) for r in rows)
         prompts += rows
         skipped += [{**row, "suite": name} for row in left]
     end_id, marker_or_reason = acc.reasoning_end_token_id(tokenizer, settings["reasoning_parser"])

@@ -236,3 +236,14 @@ def test_comparison_says_when_a_variant_differs_beyond_the_paired_interval(e2e, 
     assert not table.loc["same", "suite:eval:differs_vs_default"]
     md = (tmp_path / "c.md").read_text()
     assert "95% interval (paired)" in md and "YES" in md and "no (within the interval)" in md
+
+
+def test_held_out_prompts_are_a_suite_of_their_own():
+    """prompts/eval.jsonl mixes the eval source (MT-Bench) with held-out training prompts: they
+    are reported as two suites, each with its own interval; a suite file keeps its own name."""
+    from measure_acceptance import suite_of  # scripts/ is on sys.path (conftest)
+
+    assert suite_of("eval", "writing") == "eval"
+    assert suite_of("eval", "held-out") == "held-out"
+    assert suite_of("eval", None) == "eval"
+    assert suite_of("humaneval", "held-out") == "humaneval"

@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-BASE_SUITE = "eval"   # prompts/eval.jsonl (prompts.eval plus held-out training prompts)
+BASE_SUITE = "eval"   # prompts/eval.jsonl: the prompts.eval source
+HELD_OUT_SUITE = "held-out"  # its rows of category held-out: prompts held out of the training sources
 SUITE_SEP = "/"       # suite prompt ids are "<suite>/<row id>": unique across suites
 
 
