@@ -78,6 +78,9 @@ def prompt_settings(split):
         value["eval"] = {k: v for k, v in p["eval"].items() if k != "num_samples"}
     if decontaminated() and (split == "train" or add_held):
         value["decontamination_ngram"] = p["decontamination_ngram"]
+        # Only when set: existing training prompts stay up to date.
+        if p["decontaminate_with"]:
+            value["decontaminate_with"] = p["decontaminate_with"]
     if held_out:
         value["eval_fraction"] = p["eval_fraction"]
     if add_held:
@@ -92,6 +95,36 @@ def decontaminated():
     return p["eval"]["source"] is not None and p["decontamination_ngram"] > 0
 
 
+def suite_entries():
+    """verify.suites by name (the schema checks names; here that they are unique and not 'eval')."""
+    entries = {}
+    for i, s in enumerate(config["verify"]["suites"]):
+        if s["name"] in entries or s["name"] == "eval":
+            raise ValueError(f"verify.suites[{i}].name = {s['name']!r}: used twice or reserved ('eval' is "
+                             f"prompts/eval.jsonl); give each suite its own name")
+        entries[s["name"]] = {**s, "index": i}
+    return entries
+
+
+def suite_settings(name):
+    """What defines one suite's prompts and overlap record: its own entry, the seed and the
+    n-gram test; whether it was declared at training time (prompts.eval / decontaminate_with)."""
+    p = config["prompts"]
+    s = suite_entries()[name]
+    declared = {p["eval"]["source"]} | {e["source"] for e in p["decontaminate_with"]} if decontaminated() else set()
+    value = {**s, "seed": p["seed"], "ngram": p["decontamination_ngram"] or 8,
+             "declared_at_training": s["source"] in declared}
+    return json.dumps(value, sort_keys=True)
+
+
+def suite_prompt_files():
+    return {name: f"{R}/eval_suites/{name}/prompts.jsonl" for name in suite_entries()}
+
+
+def suite_overlap_files():
+    return [f"{R}/eval_suites/{name}/overlap.json" for name in suite_entries()]
+
+
 def acceptance_settings(variant):
     """The measurement's own knobs; thresholds only affect the report."""
     cfg = stages.variant_config(config, variant)
@@ -100,10 +133,14 @@ def acceptance_settings(variant):
     # Only when set: the default (all prompts) leaves existing acceptance results up to date.
     if cfg["verify"]["untrained_prompts"] is not None:
         value["untrained_prompts"] = cfg["verify"]["untrained_prompts"]
+    if cfg["verify"]["backend"] == "transformers":  # vLLM batches on its own
+        value["batch_size"] = cfg["verify"]["batch_size"]
     value["reasoning_parser"] = cfg["generation"]["reasoning_parser"]
     # Eval prompts are rendered like the training prompts (e.g. Qwen3 enable_thinking).
     value["chat_template_kwargs"] = cfg["generation"]["chat_template_kwargs"]
     value["trust_remote_code"] = cfg["target"]["trust_remote_code"]
+    value["suites"] = sorted(suite_entries())  # a removed suite reruns the measurement
+    value["degenerate"] = cfg["verify"]["degenerate"]
     return json.dumps(value, sort_keys=True)
 
 
@@ -290,7 +327,7 @@ def prompt_source_refs(split):
     if split == "eval" and (sources[0] is None or p["eval_held_out_samples"]):
         sources += source_names(p["train"])
     if split == "train" and decontaminated():
-        sources += source_names(p["eval"])
+        sources += source_names(p["eval"]) + [e["source"] for e in p["decontaminate_with"]]
     return [s for s in sources if s]
 
 

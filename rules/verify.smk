@@ -35,18 +35,48 @@ rule contract_checks:
         " --tokenized-stats {input.tokenized_stats} --out {output} > {log} 2>&1"
 
 
+rule eval_suite:
+    input:
+        lambda wc: local_files([suite_entries()[wc.suite]["source"]]),
+        train_prompts=f"{R}/prompts/train.jsonl",
+    output:
+        prompts=f"{R}/eval_suites/{{suite}}/prompts.jsonl",
+        overlap=f"{R}/eval_suites/{{suite}}/overlap.json",
+    params:
+        script=script("prepare_eval_suite.py"),
+        settings=lambda wc: suite_settings(wc.suite),
+        packaged_sources=lambda wc: packaged_digests([suite_entries()[wc.suite]["source"]]),
+        code=code_version("prepare_eval_suite.py"),
+    conda:
+        CONDA_ENV
+    log:
+        f"{R}/logs/eval_suite/{{suite}}.log",
+    benchmark:
+        f"{R}/benchmarks/eval_suite/{{suite}}.tsv"
+    threads: 1
+    resources:
+        mem_mb=res("default", "mem_mb"),
+        runtime=res("default", "runtime"),
+    shell:
+        "python {params.script} --settings {params.settings:q} --train-prompts {input.train_prompts}"
+        " --out {output.prompts} --overlap {output.overlap} > {log} 2>&1"
+
+
 rule acceptance:
     input:
         target=f"{R}/target/model",
         draft=f"{R}/drafts/{{variant}}/final",
         untrained=f"{R}/drafts/{{variant}}/untrained",
         prompts=f"{R}/prompts/eval.jsonl",
+        suites=lambda wc: list(suite_prompt_files().values()),
     output:
         f"{R}/drafts/{{variant}}/verify/acceptance.json",
     params:
         script=script("measure_acceptance.py"),
         gpu_wrapper=script("run_on_gpus.py"),
         settings=lambda wc: acceptance_settings(wc.variant),
+        # One --suite name=path per verify.suites entry (ids are prefixed with the name).
+        suites=lambda wc: " ".join(f"--suite {n}={p}" for n, p in suite_prompt_files().items()),
         code=code_version("measure_acceptance.py", "run_on_gpus.py"),
     conda:
         CONDA_ENV
@@ -63,13 +93,14 @@ rule acceptance:
         "python {params.gpu_wrapper} --gpus {resources.gpu} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --draft {input.draft} --untrained {input.untrained}"
-        " --prompts {input.prompts} --out {output} > {log} 2>&1"
+        " --prompts {input.prompts} {params.suites} --out {output} > {log} 2>&1"
 
 
 rule report:
     input:
         contract=f"{R}/drafts/{{variant}}/verify/contract.json",
         acceptance=f"{R}/drafts/{{variant}}/verify/acceptance.json",
+        overlaps=lambda wc: suite_overlap_files(),
         metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
         provenance=lambda wc: provenance_chain(wc.variant),
     output:
@@ -96,7 +127,7 @@ rule report:
         "python {params.script} --settings {params.settings:q} --variant {wildcards.variant}"
         " --lineage {params.lineage:q}"
         " --contract {input.contract} --acceptance {input.acceptance} --metrics {input.metrics}"
-        " --provenance {input.provenance} --out-dir $(dirname {output.verification})"
+        " --provenance {input.provenance} --overlaps {input.overlaps} --out-dir $(dirname {output.verification})"
         " > {log} 2>&1"
 
 

@@ -24,6 +24,7 @@ from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
+from pipeline_lib.suite_stats import BASE_SUITE, paired_difference  # noqa: E402
 
 PLOT = "Mean acceptance length per variant"
 # Columns of the readable table and their headers (the CSV has every column).
@@ -33,6 +34,7 @@ SUMMARY_COLUMNS = {"variant": "variant", "changed_settings": "settings changed f
                    "trained: acceptance rate per position", "val_loss": "validation loss", "speedup": "speedup",
                    "traces": "traces", "tokenized": "tokenized", "hidden_states": "hidden states"}
 CATEGORY_PREFIX = "mean_acceptance_length_trained:"
+SUITE_PREFIX = "suite:"
 
 
 def stage_columns(instances: dict[str, str]) -> dict[str, str]:
@@ -65,6 +67,11 @@ def variant_row(path: Path) -> dict[str, Any]:
             row[f"acceptance_rate_pos{i}_{name}"] = rate
     for category, result in sorted((get_in(acc, "per_category", "trained") or {}).items()):
         row[f"{CATEGORY_PREFIX}{category}"] = result.get("mean_acceptance_length")
+    for suite, s in (get_in(v, "suites", "trained", "figures") or {}).items():
+        row[f"{SUITE_PREFIX}{suite}"] = s["mean_acceptance_length"]
+        row[f"{SUITE_PREFIX}{suite}:interval_low"], row[f"{SUITE_PREFIX}{suite}:interval_high"] = \
+            s["interval"] or (None, None)
+        row[f"{SUITE_PREFIX}{suite}:degenerate"] = s["degenerate"]["count"]
     row["speedup"] = get_in(acc, "throughput", "speedup")
     row["speedup_measured_at"] = get_in(acc, "throughput", "speedup_measured_at")
     row["speedup_batch"] = get_in(acc, "throughput", "batch", "speedup")
@@ -96,7 +103,30 @@ def acceptance_plot(rows: list[dict[str, Any]]) -> str:
     return png(fig)
 
 
-def comparison_sections(rows: list[dict[str, Any]]) -> list[Section]:
+def differences(reports: list[dict]) -> list[dict[str, Any]]:
+    """Each variant against the first, per suite: the paired bootstrap of the difference in tau
+    on the prompts both measured (same resampled prompts for both), 95%."""
+    if len(reports) < 2:
+        return []
+    boot = get_in(reports[0], "suites", "bootstrap") or {"samples": 1000, "seed": 0}
+
+    def by_suite(report: dict) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for r in get_in(report, "acceptance", "requests", "trained") or []:
+            out.setdefault(r.get("suite") or BASE_SUITE, []).append(r)
+        return out
+
+    base = by_suite(reports[0])
+    out = []
+    for other in reports[1:]:
+        for suite, rows in by_suite(other).items():
+            diff = paired_difference(base.get(suite, []), rows, boot["samples"], boot["seed"])
+            if diff:
+                out.append({"variant": other["variant"], "against": reports[0]["variant"], "suite": suite, **diff})
+    return out
+
+
+def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] | None = None) -> list[Section]:
     def cell(row: dict, column: str) -> str:
         if column == "acceptance_rates_trained":
             rates = [row[c] for c in row if c.startswith("acceptance_rate_pos") and c.endswith("_trained")]
@@ -109,12 +139,30 @@ def comparison_sections(rows: list[dict[str, Any]]) -> list[Section]:
     if categories:
         tables.append(Table(["variant", *categories],
                             [[r["variant"], *(fmt(r.get(CATEGORY_PREFIX + c)) for c in categories)] for r in rows]))
+    suites = sorted({c[len(SUITE_PREFIX):] for r in rows for c in r
+                     if c.startswith(SUITE_PREFIX) and c.count(":") == 1})
+    if suites:
+        def tau_cell(r: dict, s: str) -> str:
+            low, high = r.get(f"{SUITE_PREFIX}{s}:interval_low"), r.get(f"{SUITE_PREFIX}{s}:interval_high")
+            return fmt(r.get(SUITE_PREFIX + s)) + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
+
+        tables.append(Table(["variant", *(f"{s}: tau [95%]" for s in suites)],
+                            [[r["variant"], *(tau_cell(r, s) for s in suites)] for r in rows]))
+    if diffs:
+        tables.append(Table(["variant", "against", "suite", "prompts", "tau difference", "95% interval (paired)",
+                             "differs"],
+                            [[d["variant"], d["against"], d["suite"], d["prompts"], fmt(d["difference"]),
+                              fmt(d["interval"]), "YES" if d["differs"] else "no (within the interval)"]
+                             for d in diffs]))
     return [Section(f"Draft variants compared ({len(rows)})", [
         "One row per variant: the settings it changes from the base config, its verification verdict, the mean "
         "acceptance length of its trained and untrained draft (1.0 = the draft never helps), the trained "
         "draft's acceptance rate per position, the selected epoch's validation loss, the speedup, and the "
         "directories of the traces, tokenized data and hidden states it is built from (shared where the "
-        "settings are equal); then the trained draft's mean acceptance length per eval category. Every "
+        "settings are equal); then the trained draft's mean acceptance length per eval category, and per "
+        "eval suite with its 95% bootstrap interval. Each variant is compared with the first by a paired "
+        "bootstrap of the difference on the prompts both measured: it differs when the difference's 95% "
+        "interval excludes 0. Every "
         "column for every variant is in comparison.csv; each variant's own report is in "
         "drafts/<variant>/report/."], tables, [PLOT])]
 
@@ -127,6 +175,11 @@ def main() -> int:
     p.add_argument("--html", help="comparison.html to write")
     args = p.parse_args()
     rows = [variant_row(Path(r)) for r in args.reports]
+    diffs = differences([read_json(Path(r), "verification report") for r in args.reports])
+    for d in diffs:  # in the csv too: the difference from the first variant and whether it is beyond chance
+        row = next(r for r in rows if r["variant"] == d["variant"])
+        row[f"{SUITE_PREFIX}{d['suite']}:difference_vs_{d['against']}"] = d["difference"]
+        row[f"{SUITE_PREFIX}{d['suite']}:differs_vs_{d['against']}"] = d["differs"]
     names = [r["variant"] for r in rows]
     if len(set(names)) != len(names):
         raise PipelineError(f"--reports: variant names repeat ({names}); give one report per variant")
@@ -138,7 +191,7 @@ def main() -> int:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(args.out, buf.getvalue())
-    sections = comparison_sections(rows)
+    sections = comparison_sections(rows, diffs)
     if args.markdown:
         atomic_write_text(args.markdown, render_markdown(sections, Path(args.html or "comparison.html").name))
     if args.html:

@@ -32,6 +32,7 @@ from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_
 from pipeline_lib.provenance import DiskDigests, Provenance  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
 from pipeline_lib.secrets import scrub_obj  # noqa: E402
+from pipeline_lib.suite_stats import suite_figures  # noqa: E402
 
 # settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
 THRESHOLDS = {
@@ -248,7 +249,7 @@ def verdict(contract: dict, acceptance: dict, thresholds: list[dict], settings: 
 # Plots (matplotlib, embedded as base64 PNG)
 
 
-def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
+def make_plots(metrics: list[dict], acceptance: dict, suites: dict | None = None) -> dict[str, str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,6 +319,9 @@ def make_plots(metrics: list[dict], acceptance: dict) -> dict[str, str]:
             ax.set(ylabel="output tokens/s", title="Throughput")
             ax.legend()
             plots["Throughput with and without the draft"] = png(fig)
+    fig = suites_plot(suites, plt)
+    if fig is not None:
+        plots["Acceptance length per suite and category (95% intervals)"] = png(fig)
     return plots
 
 
@@ -406,6 +410,94 @@ def lineage_section(lineage: dict) -> Section:
         [Table(["stage", "directory"], [[stage, d] for stage, d in instances.items()])] if instances else [])
 
 
+def suites_summary(acc: dict, overlaps: list[dict], settings: dict) -> dict[str, Any] | None:
+    """Per suite (prompts/eval.jsonl is `eval`): tau with its bootstrap interval, per category,
+    degenerate answers and tau without them, for the trained and untrained drafts; the suite's
+    overlap with the training prompts, marked over verify.overlap_threshold."""
+    if acc.get("status") != "ok":
+        return None
+    boot = {"samples": 1000, "seed": 0, **(settings.get("bootstrap") or {})}
+    threshold = settings.get("overlap_threshold", 0.02)
+    out = {name: {"figures": suite_figures(acc["requests"][name], boot["samples"], boot["seed"])}
+           for name in ("trained", "untrained")}
+    by_suite = {o["suite"]: o for o in overlaps}
+    for o in by_suite.values():
+        o["over_threshold"] = o["fraction"] > threshold
+    return {"bootstrap": {**boot, "level": 0.95, "method": "percentile bootstrap over prompts; tau = 1 + "
+                          "accepted/drafts pooled over each resample"},
+            "overlap_threshold": threshold, "overlap": by_suite, **out}
+
+
+def suites_section(suites: dict | None) -> list[Section]:
+    if not suites:
+        return []
+    rows, cat_rows, degenerate_rows = [], [], []
+    trained, untrained = suites["trained"]["figures"], suites["untrained"]["figures"]
+    for name, s in trained.items():
+        o = suites["overlap"].get(name)
+        overlap = ("checked at training (prompts_train)" if o is None else
+                   f"{o['count']} of {o['suite_prompts']} ({o['fraction']:.1%})"
+                   + (" **OVER THRESHOLD**" if o["over_threshold"] else "")
+                   + ("" if o["declared_at_training"] else "; not decontaminated at training"))
+        u = untrained.get(name) or {}
+        rows.append([name, s["prompts"], fmt(s["mean_acceptance_length"]), fmt(s["interval"]),
+                     fmt(u.get("mean_acceptance_length")), s["degenerate"]["count"],
+                     fmt(s["without_degenerate"]["mean_acceptance_length"]), overlap])
+        cat_rows += [[name, c, v["prompts"], fmt(v["mean_acceptance_length"]), fmt(v["interval"])]
+                     for c, v in s["per_category"].items()]
+        degenerate_rows += [[name, d["id"], d["kind"], d.get("period", ""), d.get("repeats", ""),
+                             repr(d.get("text", ""))[:80]] for d in s["degenerate"]["answers"]]
+    b = suites["bootstrap"]
+    text = [f"Mean acceptance length (tau) of the trained draft per eval suite, with 95% intervals "
+            f"({b['samples']} bootstrap resamples of the prompts, seed {b['seed']}): two figures whose "
+            f"intervals overlap may not differ. Degenerate answers are empty ones and ones that end in a "
+            f"short repeating loop (verify.degenerate); a loop repeats what the draft guesses easily, so "
+            f"tau without them is shown too. Overlap: prompts sharing an n-gram with the draft's training "
+            f"prompts, marked above verify.overlap_threshold = {suites['overlap_threshold']}."]
+    for name, o in suites["overlap"].items():
+        if o["examples"]:
+            text.append(f"Overlap examples of `{name}`: " + "; ".join(
+                f"{e['id']} ({e['ngram']!r})" for e in o["examples"][:5]) + ".")
+    tables = [Table(["suite", "prompts", "tau", "95% interval", "untrained tau", "degenerate", "tau without them",
+                     "overlap with training prompts"], rows),
+              Table(["suite", "category", "prompts", "tau", "95% interval"], cat_rows)]
+    if degenerate_rows:
+        tables.append(Table(["suite", "prompt", "kind", "period", "repeats", "loop (decoded)"], degenerate_rows))
+    else:
+        text.append("No degenerate answers.")
+    return [Section("Eval suites", text, tables, ["Acceptance length per suite and category (95% intervals)"])]
+
+
+def suites_plot(suites: dict | None, plt) -> Any:
+    if not suites:
+        return None
+    labels, values, lows, highs = [], [], [], []
+    for name, s in suites["trained"]["figures"].items():
+        for label, v in [(f"{name}", s), *((f"{name}: {c}", cv) for c, cv in s["per_category"].items())]:
+            if v["mean_acceptance_length"] is None:
+                continue
+            lo, hi = v["interval"] or [v["mean_acceptance_length"]] * 2
+            labels.append(label)
+            values.append(v["mean_acceptance_length"])
+            lows.append(v["mean_acceptance_length"] - lo)
+            highs.append(hi - v["mean_acceptance_length"])
+    if not labels:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(labels) + 1.2))
+    y = list(range(len(labels)))[::-1]
+    colors = ["C0" if ":" not in label else "C1" for label in labels]
+    ax.errorbar(values, y, xerr=[lows, highs], fmt="none", ecolor="gray", capsize=3)
+    ax.scatter(values, y, c=colors, zorder=3)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlabel("mean acceptance length (tau), 95% interval")
+    ax.axvline(1.0, color="lightgray", linestyle=":")
+    # Room on both sides: 1.0 (no help) always in view, no point on the frame.
+    ax.set_xlim(min(1.0, *(v - lo for v, lo in zip(values, lows))) - 0.1,
+                max(v + hi for v, hi in zip(values, highs)) + 0.1)
+    fig.tight_layout()
+    return fig
+
+
 def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Section]:
     v = result["verdict"]
     head = Section(f"Draft verification: {variant} — {'PASS' if v['passed'] else 'FAIL'}", [HOW_TO_READ])
@@ -414,6 +506,7 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
         ["threshold", "measures", "limit", "value", "status"],
         [[t["name"], t["measures"], fmt(t["threshold"]), fmt(t["value"]), t["status"]] for t in result["thresholds"]])])]
     sections += acceptance_sections(result["acceptance"])
+    sections += suites_section(result.get("suites"))
     contract = result["contract"]
     sections.append(Section(
         f"Contract checks — {'PASS' if contract.get('passed') else 'FAIL'}",
@@ -488,6 +581,7 @@ def main() -> int:
     p.add_argument("--lineage", default="{}", type=cli.json_object,
                    help="JSON: {stage_instances: {stage: directory}, changed_settings: {section.key: value}} "
                         "(rules/common.smk variant_lineage)")
+    p.add_argument("--overlaps", nargs="*", default=[], help="eval_suites/<suite>/overlap.json files")
     p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     settings = args.settings
@@ -512,13 +606,15 @@ def main() -> int:
         "fail_below_threshold": bool(settings.get("fail_below_threshold")),
         "contract": contract,
         "acceptance": acceptance,
+        "suites": suites_summary(acceptance, [read_json(q, "suite overlap (overlap.json)") for q in args.overlaps],
+                                 settings),
         "training": training_summary(metrics, prov_records),
         "provenance": {"records": prov_rows, "chain": chain},
         "inputs": {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics,
                    "provenance": [str(q) for q in prov_paths]},
     }
     result = scrub_obj(result)  # the report quotes settings, errors and paths: no credential in them
-    plots = make_plots(metrics, acceptance)
+    plots = make_plots(metrics, acceptance, result["suites"])
     result["plots"] = sorted(plots)
     sections = build_sections(args.variant, result, plots)
     title = f"Draft verification: {args.variant}"

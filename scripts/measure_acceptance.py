@@ -7,6 +7,10 @@ tokens / accepted tokens, per-category and (for reasoning targets) per reasoning
 acceptance, output tokens/s with and without the draft (all prompts at once and one prompt at
 a time), and a token-by-token comparison of greedy outputs with and without speculation.
 
+Several eval suites are measured in one job: --prompts (suite `eval`) and one --suite NAME=PATH
+per verify.suites entry; each request row records its suite and whether its answer is
+degenerate (empty, or ending in a loop: pipeline_lib.suite_stats), the loop decoded as text.
+
 If the backend cannot load the draft, acceptance.json records status "error" with the
 backend's own message and the script still exits 0, so the report can show it.
 
@@ -17,7 +21,8 @@ backend's own message and the script still exits 0, so the report can show it.
 
 Settings (config.yaml `verify`): backend (vllm | transformers), num_speculative_tokens,
 num_prompts (null = all), max_tokens, dtype (float32 on CPU: greedy equality is exact only
-in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser; optional
+in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser, batch_size
+(transformers backend: prompts per batched pass); optional
 chat_template_kwargs and trust_remote_code.
 """
 from __future__ import annotations
@@ -35,11 +40,13 @@ from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 from pipeline_lib.secrets import scrub  # noqa: E402
+from pipeline_lib.suite_stats import BASE_SUITE, degenerate_answer  # noqa: E402
 from pipeline_lib.target import load_config, text_config  # noqa: E402
 
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,
             "dtype": "float32", "concurrency_one_prompts": 8, "untrained_prompts": None, "reasoning_parser": None,
-            "chat_template_kwargs": {}, "trust_remote_code": False}
+            "chat_template_kwargs": {}, "trust_remote_code": False, "suites": [], "degenerate": {},
+            "batch_size": 64}
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,7 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", help="target model dir (R/target/model)")
     p.add_argument("--draft", help="trained draft checkpoint dir (R/drafts/<variant>/final)")
     p.add_argument("--untrained", help="untrained draft dir, the baseline (R/drafts/<variant>/untrained)")
-    p.add_argument("--prompts", help="eval prompts (R/prompts/eval.jsonl)")
+    p.add_argument("--prompts", help="eval prompts (R/prompts/eval.jsonl): suite 'eval'")
+    p.add_argument("--suite", action="append", default=[], metavar="NAME=PATH",
+                   help="a further eval suite's prompts (R/eval_suites/NAME/prompts.jsonl); repeatable")
     p.add_argument("--out", help="acceptance.json to write")
     # Internal: this script re-runs itself as the child process that holds one vLLM engine.
     p.add_argument("--engine-job", help=argparse.SUPPRESS)
@@ -101,6 +110,29 @@ def eos_token_ids(target: Path, tokenizer) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def suite_files(values: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path or name == BASE_SUITE:
+            raise PipelineError(f"--suite {value!r}: expected NAME=PATH with a NAME other than {BASE_SUITE!r}")
+        out.append((name, path))
+    return out
+
+
+def annotate_requests(requests: dict[str, list[dict]], runs: dict, suite_by_id: dict[str, str], tokenizer,
+                      degenerate_settings: dict) -> None:
+    """Each request row gets its suite and, when its answer is empty or ends in a loop, what
+    the loop is (decoded: what a reader sees)."""
+    for name, rows in requests.items():
+        for row, rec in zip(rows, runs[name].records):
+            row["suite"] = suite_by_id.get(rec.id, BASE_SUITE)
+            found = degenerate_answer(rec.token_ids, degenerate_settings)
+            if found and found["kind"] == "loop":
+                found["text"] = tokenizer.decode(rec.token_ids[found["start"]:found["start"] + found["period"]])
+            row["degenerate"] = found
+
+
 def main() -> int:
     args = parse_args()
     runtime.setup()
@@ -125,12 +157,22 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=settings["trust_remote_code"])
     context_limit = text_config(load_config(args.target)).get("max_position_embeddings")
     room = acc.answer_room(settings["max_tokens"], settings["num_speculative_tokens"])
-    prompts, skipped = acc.load_eval_prompts(args.prompts, settings["num_prompts"], tokenizer,
-                                             settings["chat_template_kwargs"],
-                                             context_limit - room if context_limit else None)
-    for row in skipped:
-        print(f"[acceptance] {args.prompts}:{row['line']}: prompt {row['id']} has {row['prompt_tokens']} tokens, more "
-              f"than the {row['max_prompt_tokens']} the target's context leaves; skipped", file=sys.stderr)
+    prompts, skipped, suite_by_id = [], [], {}
+    # verify.num_prompts caps prompts/eval.jsonl only; suites are capped by their num_samples.
+    for name, path in [(BASE_SUITE, args.prompts), *suite_files(args.suite)]:
+        rows, left = acc.load_eval_prompts(path, settings["num_prompts"] if name == BASE_SUITE else None, tokenizer,
+                                           settings["chat_template_kwargs"],
+                                           context_limit - room if context_limit else None)
+        for row in left:
+            print(f"[acceptance] {path}:{row['line']}: prompt {row['id']} has {row['prompt_tokens']} tokens, more "
+                  f"than the {row['max_prompt_tokens']} the target's context leaves; skipped", file=sys.stderr)
+        clash = next((r.id for r in rows if r.id in suite_by_id), None)
+        if clash:
+            raise PipelineError(f"{path}: prompt id {clash!r} also appears in suite {suite_by_id[clash]!r}; "
+                                f"ids must be unique across suites (rerun eval_suite)")
+        suite_by_id.update((r.id, name) for r in rows)
+        prompts += rows
+        skipped += [{**row, "suite": name} for row in left]
     end_id, marker_or_reason = acc.reasoning_end_token_id(tokenizer, settings["reasoning_parser"])
     spec = acc.MeasureSpec(
         target=str(Path(args.target).resolve()), draft=str(Path(args.draft).resolve()),
@@ -139,12 +181,14 @@ def main() -> int:
         dtype=settings["dtype"], concurrency_one_prompts=min(settings["concurrency_one_prompts"], len(prompts)),
         untrained_prompts=settings["untrained_prompts"],
         eos_token_ids=eos_token_ids(Path(args.target), tokenizer), reasoning_end_token_id=end_id,
-        context_limit=context_limit,
+        context_limit=context_limit, batch_size=settings["batch_size"],
         trust_remote_code=settings["trust_remote_code"])
 
     header = {
         "backend": settings["backend"], "settings": settings,
-        "inputs": {"target": args.target, "draft": args.draft, "untrained": args.untrained, "prompts": args.prompts},
+        "inputs": {"target": args.target, "draft": args.draft, "untrained": args.untrained, "prompts": args.prompts,
+                   "suites": dict(suite_files(args.suite))},
+        "suites": {name: sum(s == name for s in suite_by_id.values()) for name in dict.fromkeys(suite_by_id.values())},
         "num_prompts": len(prompts), "prompts_skipped": skipped, "num_speculative_tokens": spec.num_speculative_tokens,
         "max_tokens": spec.max_tokens, "dtype": spec.dtype,
         "greedy_equality_expected": spec.dtype == "float32",
@@ -155,6 +199,7 @@ def main() -> int:
         runs, notes = acc.BACKENDS[settings["backend"]](spec, engine_script=str(Path(__file__).resolve()))
         body = {"status": "ok", "error": None,
                 **acc.assemble(spec, settings["backend"], runs, notes, marker_or_reason if end_id is not None else None)}
+        annotate_requests(body["requests"], runs, suite_by_id, tokenizer, settings["degenerate"])
         summary = body["acceptance"]["trained"]
         print(f"[acceptance] trained draft: mean acceptance length {summary['mean_acceptance_length']}, "
               f"per position {summary['acceptance_rate_per_position']}; untrained: "
@@ -168,7 +213,7 @@ def main() -> int:
     atomic_write_json(args.out, record)
     prov.write(Path(args.out).with_name(Path(args.out).stem + ".provenance.json"),
                inputs={"target": args.target, "draft": args.draft, "untrained": args.untrained,
-                       "prompts": args.prompts},
+                       "prompts": args.prompts, **{f"suite_{n}": p for n, p in suite_files(args.suite)}},
                outputs={"acceptance": args.out})
     return 0
 

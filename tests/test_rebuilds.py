@@ -66,6 +66,10 @@ AFTER_HIDDEN = hidden_state_jobs("hidden_states") | AFTER_TRAIN
 AFTER_TOKENIZE = {job("tokenize", tokenized="tokenized")} | AFTER_HIDDEN
 AFTER_TRACES = trace_jobs("traces") | AFTER_TOKENIZE
 VERIFY_ONLY = verify_jobs("default") | COMPARE
+# New training prompts: the e2e config's eval suite `code` re-measures its overlap with them.
+TRAIN_PROMPTS = {job("prompts_train"), job("eval_suite", suite="code")}
+CHAMP_SUITE = {"name": "math", "source": "pypi:champ_dataset/dataset_files/v0.json", "format": "champ",
+               "num_samples": 2}
 
 
 def prompt_rows(n: int) -> list[dict]:
@@ -177,11 +181,23 @@ CASES = {
                          {job("report", variant="default")} | COMPARE),
     "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {job("prompts_eval")} | VERIFY_ONLY),
     "eval_held_out_samples": (lambda c: c["prompts"].update(eval_held_out_samples=2),
-                              {job("prompts_train"), job("prompts_eval")} | AFTER_TRACES),
+                              TRAIN_PROMPTS | {job("prompts_eval")} | AFTER_TRACES),
     # Training prompts are decontaminated against the whole eval source: its n-gram length
     # (like the eval source itself) defines the training split, not the eval one here.
     "decontamination_ngram": (lambda c: c["prompts"].update(decontamination_ngram=6),
-                              {job("prompts_train")} | AFTER_TRACES),
+                              TRAIN_PROMPTS | AFTER_TRACES),
+    # Eval suites: adding, resizing or removing one plans verification only (README rebuild table).
+    "suite_added": (lambda c: c["verify"]["suites"].append(CHAMP_SUITE),
+                    {job("eval_suite", suite="math")} | VERIFY_ONLY),
+    "suite_resized": (lambda c: c["verify"]["suites"][0].update(num_samples=1),
+                      {job("eval_suite", suite="code")} | VERIFY_ONLY),
+    "suite_removed": (lambda c: c["verify"].update(suites=[]), VERIFY_ONLY),
+    "suite_settings_report_only": (lambda c: c["verify"].update(overlap_threshold=0.5, bootstrap={"seed": 3}),
+                                   {job("report", variant="default")} | COMPARE),
+    # Declared at training time: training prompts are decontaminated against it too.
+    "decontaminate_with": (lambda c: c["prompts"].update(decontaminate_with=[{k: CHAMP_SUITE[k] for k in
+                                                                                ("source", "format")}]),
+                           TRAIN_PROMPTS | AFTER_TRACES),
     "temperature": (lambda c: c["generation"].update(temperature=0.7), AFTER_TRACES),
     "max_tokens": (lambda c: c["generation"].update(max_tokens=20), AFTER_TRACES),
     "aux_layer_ids": (lambda c: c["hidden_states"].update(aux_layer_ids=[1, 3, 6]), AFTER_HIDDEN),
@@ -317,7 +333,7 @@ def test_prompt_file_content_change_reruns_prompts_and_after(built, tmp_path):
     prompts.write_text(prompts.read_text() + json.dumps(prompt_rows(21)[-1]) + "\n")
     cfg["prompts"]["train"]["source"] = str(prompts)
     write_config(work, cfg)
-    assert plan(work, cfg, repo) == {job("prompts_train")} | AFTER_TRACES
+    assert plan(work, cfg, repo) == TRAIN_PROMPTS | AFTER_TRACES
 
 
 CODE_EDITS = {

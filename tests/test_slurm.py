@@ -209,7 +209,7 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
 def test_every_job_goes_through_sbatch_and_its_slurm_log_is_kept(runs):
     remote, _ = rules_run(runs.pipeline.check())
     # The whole chain, every stage: nothing but the localrules ran outside SLURM.
-    assert set(remote) == {"target", "prompts_train", "prompts_eval", "traces_shard", "tokenize",
+    assert set(remote) == {"target", "prompts_train", "prompts_eval", "eval_suite", "traces_shard", "tokenize",
                            "hidden_states_shard", "train_draft", "load_check", "contract_checks", "acceptance",
                            "report"}, remote
     for run_, expected_remote in ((runs.gpu, 3), (runs.pipeline, None), (runs.resumed, 1)):
@@ -284,7 +284,7 @@ def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
     # artifact of a submitted rule names one of the submitted jobs; localrules' name none.
     provenance = sorted(runs.results.rglob("*provenance.json"))
     rules = sorted(json.loads(p.read_text())["rule"] for p in provenance)
-    assert rules == sorted(["target", "prompts_train", "prompts_eval", "traces_gather", "tokenize",
+    assert rules == sorted(["target", "prompts_train", "prompts_eval", "eval_suite", "traces_gather", "tokenize",
                             "hidden_states_gather", "train_draft", "train_draft", "contract_checks", "acceptance",
                             "report"]), rules
     for path in provenance:

@@ -31,6 +31,10 @@ MAX_TOKENS = 32
 # and target math, so they agree up to near-tied argmaxes in the draft; on this setup they
 # agree step by step. Allowed difference in mean acceptance length:
 TAU_TOLERANCE = 0.05
+# The batched transformers path vs chain speculation at these max_tokens: the tiny-reasoning
+# target's answers here are 20 tokens with EOS, so 19 cuts them one token short (the last
+# step's drafts reach past max_tokens), 20 ends at EOS exactly there, 40 leaves room.
+BATCHED_MAX_TOKENS = (19, 20, 40)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,6 +512,61 @@ def test_transformers_backend_agrees_with_vllm(run_dir, vllm_acceptance, tmp_pat
     assert set(hf) >= {"acceptance", "per_category", "spans", "throughput", "greedy_equality", "requests"}
     assert hf["throughput"]["batch"] is None and hf["throughput"]["concurrency_1"]["speedup"] > 0
     assert hf["greedy_equality"]["trained"]["passed"] is True
+    # The batched numbers prove themselves against step-by-step chain speculation.
+    assert hf["self_check"]["trained"] == {**hf["self_check"]["trained"], "compared": 2, "identical": 2,
+                                           "passed": True}
+
+
+def test_batched_acceptance_equals_chain_speculation_prompt_by_prompt(e2e):
+    """The transformers backend's batched exact path (batched.py) gives the same output tokens
+    and the same accepted count at every verify step as sequential chain speculation (chain.py),
+    prompt by prompt: prompts of different lengths in one batch, answers that end at EOS and
+    answers cut at max_tokens. fp32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline_lib.acceptance import EvalPrompt
+    from pipeline_lib.acceptance.chain import ChainSpeculator
+    from pipeline_lib.acceptance.draft import EagleDraft, load_draft_for_transformers
+    from pipeline_lib.acceptance.transformers_backend import measure_batched
+
+    torch.set_num_threads(1)
+    target_dir, cpu = e2e.results / "target/model", torch.device("cpu")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    eos = {tok.eos_token_id}
+    questions = mtbench_rows()[::16][:5]
+    prompts = [EvalPrompt(id=str(q["question_id"]), category=q["category"],
+                          token_ids=tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                                            add_generation_prompt=True, tokenize=True,
+                                                            return_dict=False))
+               for q in questions]
+    draft = EagleDraft(load_draft_for_transformers(str(e2e.results / "drafts/default/final"), str(target_dir),
+                                                   torch.float32, cpu), cpu)
+    chain = ChainSpeculator(target, draft, K, cpu)
+    finish, steps = set(), []
+    for max_tokens in BATCHED_MAX_TOKENS:
+        with torch.inference_mode():
+            records, _ = measure_batched(target, {"trained": draft}, {"trained": prompts}, prompts, K, max_tokens,
+                                         eos, batch_size=4, device=cpu, pad_id=tok.eos_token_id)
+            sequential = [chain.generate(p.token_ids, max_tokens, eos) for p in prompts]
+        batched = records["trained"]
+        assert [r.id for r in batched] == [p.id for p in prompts]
+        for p, b, c in zip(prompts, batched, sequential):
+            assert (b.token_ids, b.finish_reason, b.steps_accepted, b.steps_drafted) == \
+                   (c.token_ids, c.finish_reason, c.steps_accepted, c.steps_drafted), (max_tokens, p.id)
+            # The proposals themselves, not only how many were accepted: every draft token of
+            # every step comes from the same mask, positions and fed-back states.
+            assert b.steps_proposals == c.steps_proposals, (max_tokens, p.id)
+        # The plain run is the same greedy output, cut at EOS / max_tokens.
+        assert [r.token_ids for r in records["no_draft"]] == [r.token_ids for r in batched]
+        finish |= {r.finish_reason for r in batched}
+        steps += [a for r in batched for a in r.steps_accepted]
+    # The cases the equality must cover: differing prompt lengths inside one batch of 4 (and a
+    # second batch), EOS and max_tokens endings, drafts that are accepted and ones that are not.
+    assert len({len(p.token_ids) for p in prompts}) == len(prompts)
+    assert finish == {"stop", "length"}
+    assert 0 in steps and max(steps) >= 2
 
 
 def test_eval_prompts_missing_is_a_clear_error(run_dir, tmp_path):

@@ -17,6 +17,7 @@ EXPECTED_JOBS_TEST = {
     "target": 1, "prompts_train": 1, "prompts_eval": 1, "traces_shard": 2, "traces_gather": 1,
     "tokenize": 1, "hidden_states_shard": 2, "hidden_states_gather": 1, "train_draft": 1,
     "load_check": 1, "contract_checks": 1, "acceptance": 1, "report": 1, "compare_variants": 1, "all": 1,
+    "eval_suite": 1,  # the test config's one eval suite (verify.suites: code)
 }
 
 

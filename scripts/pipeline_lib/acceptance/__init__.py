@@ -1,0 +1,25 @@
+"""Acceptance of an EAGLE-3 draft: how many drafted tokens the target accepts under greedy
+speculative decoding, measured by a backend picked from BACKENDS.
+
+Interchangeable backends, one module each, registered in BACKENDS (name -> function
+`(spec, engine_script=...) -> ({run name: RunResult}, notes)`):
+
+  vllm          vllm_backend.py: real vLLM serves the target with the draft as its EAGLE-3
+                speculator (engine counters + per-request verify steps)
+  transformers  transformers_backend.py: exact greedy acceptance in batched transformers
+                passes (batched.py), self-checked against step-by-step chain speculation
+                (chain.py); no vLLM needed
+
+Shared code: inputs.py (eval prompts, MeasureSpec), records.py (per-request verify steps ->
+numbers, greedy equality, the registry), summary.py (the acceptance.json body), draft.py (the
+EAGLE-3 draft run as at inference). Every backend produces the same per-request step records,
+so the outputs have one schema.
+"""
+from . import transformers_backend, vllm_backend  # noqa: F401  (each registers its backend)
+from .inputs import (DEFAULT_REASONING_END, REASONING_END_MARKERS, EvalPrompt, MeasureSpec,  # noqa: F401
+                     answer_room, load_eval_prompts, reasoning_end_token_id)
+from .records import (BACKENDS, BackendFailure, RequestRecord, RunResult, acceptance_block,  # noqa: F401
+                      greedy_equality, per_category, per_span, register, request_steps, request_summaries,
+                      step_span, steps_block, throughput_entry)
+from .summary import assemble  # noqa: F401
+from .vllm_backend import run_engine_job, vllm_root_cause  # noqa: F401
