@@ -16,7 +16,7 @@ PYBIN="${PYTHON:-$(command -v python3)}"
 # Rules call `python`; a wrapper (not a symlink: a venv's python must keep its own path).
 printf '#!/bin/sh\nexec "%s" "$@"\n' "$PYBIN" > "$W/bin/python" && chmod +x "$W/bin/python"
 export PATH="$PWD/$W/bin:$PATH" HF_HUB_OFFLINE=1
-CONFIGS=(configs/gpu-recipe.yaml)
+CONFIGS=(config.yaml configs/gpu-recipe.yaml)  # --configfile replaces config.yaml: name it first
 RUN=smollm2-135m-gpu-recipe
 if [[ "${BENCH_SMOKE:-0}" == 1 ]]; then
   CONFIGS+=(configs/gpu-recipe-smoke.yaml)

