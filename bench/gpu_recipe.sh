@@ -18,6 +18,9 @@ printf '#!/bin/sh\nexec "%s" "$@"\n' "$PYBIN" > "$W/bin/python" && chmod +x "$W/
 export PATH="$PWD/$W/bin:$PATH" HF_HUB_OFFLINE=1
 CONFIGS=(config.yaml configs/gpu-recipe.yaml)  # --configfile replaces config.yaml: name it first
 RUN=smollm2-135m-gpu-recipe
+if [[ -n "${RECIPE_OVERLAY:-}" ]]; then  # e.g. configs/gpu-recipe-one-call.yaml
+  CONFIGS+=("$RECIPE_OVERLAY"); RUN=$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['run_name'])" "$RECIPE_OVERLAY")
+fi
 if [[ "${BENCH_SMOKE:-0}" == 1 ]]; then
   CONFIGS+=(configs/gpu-recipe-smoke.yaml)
   RUN=gpu-recipe-smoke

