@@ -61,7 +61,13 @@ def main() -> None:
     backend_tokens = sum(c.completion_tokens or 0 for c in completions)
 
     # generate alone: the same sorted batches, left padded, its default (dynamic) cache, no compile.
-    prompts = sorted((backend._render(r) for r in requests), key=len, reverse=True)
+    prompts = []
+    for r in requests:  # the prompts the backend answered (over-long ones it rejects are skipped)
+        try:
+            prompts.append(backend._render(r))
+        except ValueError:
+            continue
+    prompts.sort(key=len, reverse=True)
     eos = sorted(backend.eos_ids)
     plain_tokens, plain_s = 0, 0.0
     for start in range(0, len(prompts), args.batch_size):
