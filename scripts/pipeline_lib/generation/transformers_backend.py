@@ -10,12 +10,15 @@ from ..errors import PipelineError
 
 @register("transformers")
 class TransformersBackend(Backend):
-    """HF generate with a static KV cache: on CUDA, transformers compiles the decoding step
-    (torch.compile, CUDA graphs) once and replays it for every batch, which needs every batch
-    to have the same shape. So the prompts are sorted longest first, the cache is sized once
-    for the longest prompt plus max_tokens, every batch holds batch_size rows (the last one is
-    filled up with copies of its last prompt, whose answers are dropped), and one short warm-up
-    generate compiles before the real batches (its seconds are reported as warmup_s).
+    """HF generate with static KV caches bucketed by length: on CUDA, transformers compiles the
+    decoding step (torch.compile, CUDA graphs) once per shape and replays it, so every batch of
+    one bucket must have the same shape. The prompts are sorted longest first and cut into
+    batches of batch_size; each batch's cache is its longest prompt plus max_tokens rounded up
+    to a power of two (at least MIN_CACHE_BUCKET), so short prompts don't attend over (and pay
+    for) the longest prompt's cache: decoding reads the whole static cache every step. Few
+    buckets means few compiles; a short warm-up generate compiles each new bucket before its
+    first real batch (the seconds are summed as warmup_s). Every batch holds batch_size rows
+    (a short one is filled up with copies of its last prompt, whose answers are dropped).
     Left padding; greedy (temperature 0) or sampled with torch seeded by `seed` before each batch
     (so sampled answers depend on the batch composition, unlike vLLM's per-request seeds). A
     batch that runs past request_timeout_s is cut (generate's max_time); its unfinished prompts
@@ -23,6 +26,9 @@ class TransformersBackend(Backend):
 
     # Decode steps of the warm-up generate: the compiled step is captured and replayed by then.
     WARMUP_TOKENS = 4
+    # The smallest static cache (tokens); larger caches double. 256 holds a chat prompt plus 128
+    # new tokens; doubling keeps the number of compiled shapes to a handful.
+    MIN_CACHE_BUCKET = 256
 
     def start(self) -> None:
         import torch
@@ -52,8 +58,9 @@ class TransformersBackend(Backend):
         self._prompt_errors = prompt_error_types()
         # Facts for the shard summary, filled in as batches run.
         self.stats: dict[str, Any] = {"decoding": "static cache", "warmup_s": 0.0, "batches": 0,
-                                      "filler_rows": 0, "cache_len": None}
-        self._warmed_up = False
+                                      "filler_rows": 0, "cache_len": None,
+                                      "batches_per_cache_len": {}}
+        self._warmed_up: set[int] = set()  # cache lengths compiled so far
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "model": str(self.target), "dtype": self.dtype, "device": self.device,
@@ -69,18 +76,23 @@ class TransformersBackend(Backend):
                 yield Completion.failed(req, err, ERROR_INVALID)
         if not rendered:
             return
-        rendered.sort(key=lambda item: len(item[1]), reverse=True)  # the longest batch sizes the cache
-        cache_len = len(rendered[0][1]) + s.max_tokens
-        if self.max_positions:
-            cache_len = min(cache_len, self.max_positions)
-        cache_len = max(cache_len, self.stats["cache_len"] or 0)  # a retry keeps the compiled shape
-        self.stats["cache_len"] = cache_len
-        if self._compiles() and not self._warmed_up:
-            self._warm_up([ids for _, ids in rendered[:s.batch_size]], cache_len)
-        fill = self._compiles()
+        rendered.sort(key=lambda item: len(item[1]), reverse=True)  # batches of similar lengths
         for start in range(0, len(rendered), s.batch_size):
             chunk = rendered[start:start + s.batch_size]
-            yield from self._generate_batch([r for r, _ in chunk], [ids for _, ids in chunk], cache_len, fill)
+            prompts = [ids for _, ids in chunk]
+            cache_len = self.cache_len_for(len(prompts[0]))
+            if self._compiles() and cache_len not in self._warmed_up:
+                self._warm_up(prompts, cache_len)
+            yield from self._generate_batch([r for r, _ in chunk], prompts, cache_len, self._compiles())
+
+    def cache_len_for(self, longest_prompt: int) -> int:
+        """The static cache of a batch whose longest prompt has this many tokens: prompt plus
+        max_tokens, rounded up to MIN_CACHE_BUCKET * 2^k, within the target's context."""
+        need = longest_prompt + self.settings.max_tokens
+        cache_len = self.MIN_CACHE_BUCKET
+        while cache_len < need:
+            cache_len *= 2
+        return min(cache_len, self.max_positions) if self.max_positions else cache_len
 
     def _compiles(self) -> bool:
         """Whether transformers will compile the decoding step (CUDA and a static cache)."""
@@ -129,8 +141,9 @@ class TransformersBackend(Backend):
             with torch.inference_mode():
                 self.model.generate(input_ids=input_ids, attention_mask=mask,
                                     **self._generate_kwargs(self.WARMUP_TOKENS, cache_len))
-            self._warmed_up = True
-            self.stats["decoding"] = "static cache, decoding step compiled by transformers (torch.compile)"
+            self._warmed_up.add(cache_len)
+            self.stats["decoding"] = ("static caches bucketed by length, decoding step compiled by transformers "
+                                      "(torch.compile)")
         except torch.OutOfMemoryError:
             raise BackendUnavailable(f"out of memory in a batch of {len(prompts)} prompts with a {cache_len}-token "
                                      f"static cache; lower generation.batch_size") from None
@@ -138,8 +151,8 @@ class TransformersBackend(Backend):
             self.stats["compile_failed"] = f"{type(err).__name__}: {str(err)[:300]}"
             self.log(f"[transformers] compiling the decoding step failed ({self.stats['compile_failed']}); "
                      f"decoding uncompiled")
-        self.stats["warmup_s"] = round(time.monotonic() - t0, 3)
-        self.log(f"[transformers] warm-up (compile) {self.stats['warmup_s']} s; static cache {cache_len} tokens, "
+        self.stats["warmup_s"] = round(self.stats["warmup_s"] + time.monotonic() - t0, 3)
+        self.log(f"[transformers] warm-up (compile) {time.monotonic() - t0:.1f} s; static cache {cache_len} tokens, "
                  f"batches of {len(prompts)}")
 
     def _generate_batch(self, batch: list[PromptRequest], prompts: list[list[int]], cache_len: int,
@@ -161,6 +174,9 @@ class TransformersBackend(Backend):
                                      f"{width} tokens); lower generation.batch_size") from None
         self.stats["batches"] += 1
         self.stats["filler_rows"] += filler
+        self.stats["cache_len"] = max(cache_len, self.stats["cache_len"] or 0)
+        per_len = self.stats["batches_per_cache_len"]
+        per_len[str(cache_len)] = per_len.get(str(cache_len), 0) + 1
         generated = out[:len(batch), width:].tolist()
         for req, prompt, tokens in zip(batch, prompts, generated):
             stop_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)

@@ -1,0 +1,107 @@
+"""Traces speed: the transformers backend (static caches bucketed by length, compiled decoding
+step) next to transformers' `generate` alone (its default dynamic cache, no compile) on the
+same prompts, the same sorted batches and the same max_tokens, in one run. Prints the table
+and writes it as JSON.
+
+Usage: python bench/traces_speed.py --target DIR --prompts prompts.jsonl [--num 2048]
+       [--batch-size 256] [--max-tokens 128] [--dtype bfloat16] --out table.json
+The prompts file is the pipeline's prompts/train.jsonl (each row's first user turn is asked).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+
+def first_turns(path: Path, num: int) -> list[list[dict]]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            messages = json.loads(line)["messages"]
+            user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            rows.append(messages[:user + 1])
+            if len(rows) == num:
+                break
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, type=Path)
+    ap.add_argument("--prompts", required=True, type=Path)
+    ap.add_argument("--num", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+
+    import torch
+
+    from pipeline_lib.generation import GenerationSettings, PromptRequest, make_backend
+    from pipeline_lib.io import atomic_write_json
+
+    settings = GenerationSettings.from_dict({"backend": "transformers", "max_tokens": args.max_tokens,
+                                             "batch_size": args.batch_size})
+    backend = make_backend(settings, args.target, args.dtype, log=print)
+    backend.start()
+    requests = [PromptRequest(f"p{i}", m) for i, m in enumerate(first_turns(args.prompts, args.num))]
+    sync = torch.cuda.synchronize if backend.device == "cuda" else (lambda: None)
+
+    t0 = time.monotonic()
+    completions = list(backend.generate(requests))
+    sync()
+    backend_s = time.monotonic() - t0
+    stats = backend.describe()
+    backend_tokens = sum(c.completion_tokens or 0 for c in completions)
+
+    # generate alone: the same sorted batches, left padded, its default (dynamic) cache, no compile.
+    prompts = []
+    for r in requests:  # the prompts the backend answered (over-long ones it rejects are skipped)
+        try:
+            prompts.append(backend._render(r))
+        except ValueError:
+            continue
+    prompts.sort(key=len, reverse=True)
+    eos = sorted(backend.eos_ids)
+    plain_tokens, plain_s = 0, 0.0
+    for start in range(0, len(prompts), args.batch_size):
+        input_ids, mask, width = backend._inputs(prompts[start:start + args.batch_size])
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            out = backend.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.max_tokens,
+                                         do_sample=False, temperature=None, top_p=None, top_k=None,
+                                         eos_token_id=eos, pad_token_id=backend.pad_id, disable_compile=True)
+        sync()
+        plain_s += time.monotonic() - t0
+        for row in out[:, width:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in backend.eos_ids), None)
+            plain_tokens += len(row) if stop is None else stop + 1
+
+    gen_s = backend_s - stats["warmup_s"]
+    table = {
+        "prompts": len(requests), "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+        "device": torch.cuda.get_device_name() if backend.device == "cuda" else "cpu",
+        "backend": {"tokens": backend_tokens, "seconds": round(backend_s, 2), "warmup_s": stats["warmup_s"],
+                    "tok_s": round(backend_tokens / backend_s), "tok_s_after_warmup": round(backend_tokens / gen_s),
+                    "batches_per_cache_len": stats["batches_per_cache_len"], "decoding": stats["decoding"]},
+        "generate_alone": {"tokens": plain_tokens, "seconds": round(plain_s, 2),
+                           "tok_s": round(plain_tokens / plain_s)},
+    }
+    table["ratio"] = round(table["backend"]["tok_s"] / table["generate_alone"]["tok_s"], 2)
+    atomic_write_json(args.out, table)
+    print(f"| path | tokens | seconds | tok/s |\n|---|---|---|---|\n"
+          f"| backend (bucketed static caches, compiled; incl. {stats['warmup_s']} s compile) | {backend_tokens:,} | "
+          f"{backend_s:.1f} | {table['backend']['tok_s']:,} ({table['backend']['tok_s_after_warmup']:,} after compile) |\n"
+          f"| `generate` alone (dynamic cache) | {plain_tokens:,} | {plain_s:.1f} | {table['generate_alone']['tok_s']:,} |\n"
+          f"ratio backend / generate alone: {table['ratio']}; batches per cache length: "
+          f"{stats['batches_per_cache_len']}")
+
+
+if __name__ == "__main__":
+    main()
