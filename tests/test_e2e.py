@@ -203,9 +203,10 @@ def test_provenance_chain_is_checked_and_a_tampered_artifact_is_named(e2e, tmp_p
     chain = json.loads((tmp_path / "report/verification.json").read_text())["provenance"]["chain"]
     assert chain["intact"] is False and chain["links_checked"] >= 6
     assert {c["path"] for c in chain["changed_on_disk"]} == {f"results/{r.name}/traces/traces.jsonl"}
-    # Named in the record of the rule that wrote it and of the rule that read it.
+    # Named in the record of the rule that wrote it and of each rule that read it (the contract
+    # checks read the traces to render each sampled conversation as vLLM would serve it).
     assert {(c["rule"], c.get("output") or c.get("input")) for c in chain["changed_on_disk"]} == \
-        {("traces_gather", "traces"), ("tokenize", "traces")}
+        {("traces_gather", "traces"), ("tokenize", "traces"), ("contract_checks", "traces")}
     md = (tmp_path / "report/report.md").read_text()
     assert f"`results/{r.name}/traces/traces.jsonl` (changed" in md
     assert "provenance chain broken" in md
