@@ -10,12 +10,13 @@
 # (configs/gpu-recipe-smoke.yaml): what to try before spending GPU time; tests/test_gpu_recipe.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-W=bench/.work/recipe
+W="${RECIPE_WORKDIR:-bench/.work/recipe}"  # tests/test_gpu_recipe.py runs it in a temp dir
 mkdir -p "$W/bin"
 PYBIN="${PYTHON:-$(command -v python3)}"
 # Rules call `python`; a wrapper (not a symlink: a venv's python must keep its own path).
 printf '#!/bin/sh\nexec "%s" "$@"\n' "$PYBIN" > "$W/bin/python" && chmod +x "$W/bin/python"
-export PATH="$PWD/$W/bin:$PATH" HF_HUB_OFFLINE=1
+W=$(cd "$W" && pwd)
+export PATH="$W/bin:$PATH" HF_HUB_OFFLINE=1
 CONFIGS=(config.yaml configs/gpu-recipe.yaml)  # --configfile replaces config.yaml: name it first
 RUN=smollm2-135m-gpu-recipe
 if [[ -n "${RECIPE_OVERLAY:-}" ]]; then  # e.g. configs/gpu-recipe-one-call.yaml
