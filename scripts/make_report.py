@@ -511,7 +511,7 @@ def build_sections(variant: str, result: dict, plots: dict[str, str]) -> list[Se
     contract = result["contract"]
     sections.append(Section(
         f"Contract checks — {'PASS' if contract.get('passed') else 'FAIL'}",
-        [f"{fmt(contract.get('summary'))}. Not run (—) means an earlier check it depends on failed."],
+        [f"{fmt(contract.get('summary'))}. Not run (—) means an earlier check it depends on failed, or (informational checks) what it needs is missing here: its line says which."],
         [Table(["check", "status", "expected", "seen", "detail"],
                [[c["name"] + ("" if c.get("required", True) else " (informational)"),
                  {True: "PASS", False: "FAIL", None: "—"}[c["passed"]], fmt(c["expected"]), fmt(c["seen"]),
