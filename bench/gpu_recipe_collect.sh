@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Waits up to $1 seconds (default 540) for bench/gpu_recipe_box.sh's detached steps to finish,
-# then copies their logs and the run's small result files (no hidden states, no checkpoints)
-# to $OUT as recipe.tgz. Call it again in the next device call (within the 30 s window) while
-# steps.log shows steps still running.
-R=/tmp/repo/bench/.work/recipe/results/${RECIPE_RUN:-smollm2-135m-gpu-recipe}
+# Waits up to $1 seconds (default 540) for bench/gpu_recipe_box.sh's detached steps (until
+# /tmp/res/$2 exists, default DONE), then copies their logs and the run's small result files (no
+# hidden states, no checkpoints) to $OUT as recipe.tgz. Call it again in the next device call
+# (within the 30 s window) while steps.log shows steps still running.
+R=/tmp/repo/bench/.work/recipe/results/smollm2-135m-gpu-recipe
 end=$((SECONDS + ${1:-540}))
-while [[ ! -f /tmp/res/DONE ]] && (( SECONDS < end )); do sleep 5; done
+while [[ ! -f /tmp/res/${2:-DONE} ]] && (( SECONDS < end )); do sleep 3; done
 cat /tmp/res/steps.log 2>/dev/null; tail -5 /tmp/res/recipe.log; tail -8 /tmp/res/traces_speed.log 2>/dev/null
-tail -20 /tmp/res/acceptance_speed.log 2>/dev/null
+tail -6 /tmp/res/acceptance_speed.log 2>/dev/null; tail -3 /tmp/res/variants.log 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used --format=csv
-(cd / && find tmp/res "${R#/}" -type f -size -3M -not -path '*hidden_states/*' -not -path '*/checkpoints/*' \
-   -not -name '*.safetensors' -not -path '*/target/model/*' -print0 | tar czf "$OUT/recipe.tgz" --null -T -)
+(cd / && find tmp/res "${R#/}" tmp/repo/bench/.work/recipe/.snakemake/log -type f -size -3M -not -path '*hidden_states/*' \
+   -not -path '*/checkpoints/*' -not -name '*.safetensors' -not -path '*/target/model/*' -print0 \
+   | tar czf "$OUT/recipe.tgz" --null -T -)
 ls -la "$OUT"
 [[ -f /tmp/res/DONE ]] && echo ALL-DONE || echo STILL-RUNNING

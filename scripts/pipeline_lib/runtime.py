@@ -31,3 +31,16 @@ def setup(offline: bool = True) -> None:
     # ~0 rows in minutes instead of 256 in ~60 s. Unbound threads run at full speed.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+
+def padded_batch_attention() -> None:
+    """Attention kernels for batched, left-padded decoding on CUDA: cuDNN's SDPA off, so torch
+    picks the memory-efficient kernel, which takes the padding mask as it is. Measured on an
+    H200 with the demo target's shape (bench/decode_designs.py, batch 256, 2026-12-04): with
+    cuDNN, attention plus its mask preparation was 75% of each decoding step's GPU time, and an
+    uncompiled generate spent 64 ms per step on shapes it had not seen (cuDNN builds a plan per
+    shape, and a growing cache makes a new shape every step) against 23 ms with cuDNN off."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)

@@ -91,7 +91,10 @@ def measure_transformers(spec: MeasureSpec, engine_script: str | None = None) ->
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ..runtime import padded_batch_attention
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    padded_batch_attention()
     dtype = getattr(torch, spec.dtype)
     target = AutoModelForCausalLM.from_pretrained(spec.target, dtype=dtype,
                                                   trust_remote_code=spec.trust_remote_code).to(device).eval()

@@ -34,10 +34,11 @@ class TransformersBackend(Backend):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..runtime import has_cuda
+        from ..runtime import has_cuda, padded_batch_attention
 
         s = self.settings
         self.device = "cuda" if has_cuda() else "cpu"
+        padded_batch_attention()
         self.log(f"[transformers] loading {self.target} (dtype {self.dtype}, {self.device})")
         self.tokenizer = AutoTokenizer.from_pretrained(self.target, trust_remote_code=s.trust_remote_code)
         self.tokenizer.padding_side = "left"
