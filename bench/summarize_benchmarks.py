@@ -39,7 +39,7 @@ def traces_row(run: Path, limit: dict) -> dict:
                        "x_before_steady": steady / TRACES_BEFORE_TOK_S,
                        "x_before_incl_job_start": tokens / job_s / TRACES_BEFORE_TOK_S,
                        "decoding": [s.get("decoding") for s in shards], "batches": [s.get("batches") for s in shards],
-                       "cache_len": [s.get("cache_len") for s in shards], "limit": limit}}
+                       "limit": limit}}
 
 
 def hidden_states_row(run: Path, limits: dict) -> dict:
@@ -129,7 +129,7 @@ def main() -> None:
         d = r["detail"]
         if "x_before_steady" in d:
             print(f"traces: {d['x_before_steady']:.1f}x the 2,018 tok/s before (steady), "
-                  f"{d['tok_s_incl_warmup']:.0f} tok/s incl. the {d['warmup_s']:.1f} s compile warm-up, "
+                  f"{d['tok_s_incl_warmup']:.0f} tok/s incl. {d['warmup_s']:.1f} s warm-up, "
                   f"{d['tok_s_incl_job_start']:.0f} tok/s incl. job start ({d['job_s']:.1f} s job)")
         if "forward_limit_tok_s" in d:
             print(f"hidden states: forward limit {d['forward_limit_tok_s']:.0f}, disk limit {d['disk_limit_tok_s']:.0f} "

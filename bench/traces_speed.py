@@ -1,7 +1,7 @@
-"""Traces speed: the transformers backend (static caches bucketed by length, compiled decoding
-step) next to transformers' `generate` alone (its default dynamic cache, no compile) on the
-same prompts, the same sorted batches and the same max_tokens, in one run. Prints the table
-and writes it as JSON.
+"""Traces speed: the transformers backend (the pipeline's trace rows: rendering, sorted batches,
+answer splitting) next to transformers' `generate` alone on the same prompts, the same sorted
+batches and the same max_tokens, in one run: what the backend costs on top of the decoding it
+uses. Prints the table and writes it as JSON. bench/decode_designs.py compares decoding designs.
 
 Usage: python bench/traces_speed.py --target DIR --prompts prompts.jsonl [--num 2048]
        [--batch-size 256] [--max-tokens 128] [--dtype bfloat16] --out table.json
@@ -60,7 +60,7 @@ def main() -> None:
     stats = backend.describe()
     backend_tokens = sum(c.completion_tokens or 0 for c in completions)
 
-    # generate alone: the same sorted batches, left padded, its default (dynamic) cache, no compile.
+    # generate alone: the same sorted batches, left padded, its default (dynamic) cache.
     prompts = []
     for r in requests:  # the prompts the backend answered (over-long ones it rejects are skipped)
         try:
@@ -76,31 +76,32 @@ def main() -> None:
         with torch.inference_mode():
             out = backend.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.max_tokens,
                                          do_sample=False, temperature=None, top_p=None, top_k=None,
-                                         eos_token_id=eos, pad_token_id=backend.pad_id, disable_compile=True)
+                                         eos_token_id=eos, pad_token_id=backend.pad_id)
         sync()
         plain_s += time.monotonic() - t0
         for row in out[:, width:].tolist():
             stop = next((i for i, t in enumerate(row) if t in backend.eos_ids), None)
             plain_tokens += len(row) if stop is None else stop + 1
 
-    gen_s = backend_s - stats["warmup_s"]
     table = {
         "prompts": len(requests), "batch_size": args.batch_size, "max_tokens": args.max_tokens,
         "device": torch.cuda.get_device_name() if backend.device == "cuda" else "cpu",
-        "backend": {"tokens": backend_tokens, "seconds": round(backend_s, 2), "warmup_s": stats["warmup_s"],
-                    "tok_s": round(backend_tokens / backend_s), "tok_s_after_warmup": round(backend_tokens / gen_s),
-                    "batches_per_cache_len": stats["batches_per_cache_len"], "decoding": stats["decoding"]},
+        "backend": {"tokens": backend_tokens, "seconds": round(backend_s, 2), "tok_s": round(backend_tokens / backend_s),
+                    "batches": stats["batches"], "decoding": stats["decoding"]},
         "generate_alone": {"tokens": plain_tokens, "seconds": round(plain_s, 2),
                            "tok_s": round(plain_tokens / plain_s)},
     }
     table["ratio"] = round(table["backend"]["tok_s"] / table["generate_alone"]["tok_s"], 2)
     atomic_write_json(args.out, table)
-    print(f"| path | tokens | seconds | tok/s |\n|---|---|---|---|\n"
-          f"| backend (bucketed static caches, compiled; incl. {stats['warmup_s']} s compile) | {backend_tokens:,} | "
-          f"{backend_s:.1f} | {table['backend']['tok_s']:,} ({table['backend']['tok_s_after_warmup']:,} after compile) |\n"
-          f"| `generate` alone (dynamic cache) | {plain_tokens:,} | {plain_s:.1f} | {table['generate_alone']['tok_s']:,} |\n"
-          f"ratio backend / generate alone: {table['ratio']}; batches per cache length: "
-          f"{stats['batches_per_cache_len']}")
+    print(f"| path | tokens | seconds | tok/s |
+|---|---|---|---|
+"
+          f"| backend ({stats['decoding']}) | {backend_tokens:,} | {backend_s:.1f} | {table['backend']['tok_s']:,} |
+"
+          f"| `generate` alone | {plain_tokens:,} | {plain_s:.1f} | {table['generate_alone']['tok_s']:,} |
+"
+          f"ratio backend / generate alone: {table['ratio']}; {stats['batches']} batches of {args.batch_size}")
+
 
 
 if __name__ == "__main__":

@@ -10,25 +10,18 @@ from ..errors import PipelineError
 
 @register("transformers")
 class TransformersBackend(Backend):
-    """HF generate with static KV caches bucketed by length: on CUDA, transformers compiles the
-    decoding step (torch.compile, CUDA graphs) once per shape and replays it, so every batch of
-    one bucket must have the same shape. The prompts are sorted longest first and cut into
-    batches of batch_size; each batch's cache is its longest prompt plus max_tokens rounded up
-    to a power of two (at least MIN_CACHE_BUCKET), so short prompts don't attend over (and pay
-    for) the longest prompt's cache: decoding reads the whole static cache every step. Few
-    buckets means few compiles; a short warm-up generate compiles each new bucket before its
-    first real batch (the seconds are summed as warmup_s). Every batch holds batch_size rows
-    (a short one is filled up with copies of its last prompt, whose answers are dropped).
-    Left padding; greedy (temperature 0) or sampled with torch seeded by `seed` before each batch
-    (so sampled answers depend on the batch composition, unlike vLLM's per-request seeds). A
-    batch that runs past request_timeout_s is cut (generate's max_time); its unfinished prompts
-    are retried."""
-
-    # Decode steps of the warm-up generate: the compiled step is captured and replayed by then.
-    WARMUP_TOKENS = 4
-    # The smallest static cache (tokens); larger caches double. 256 holds a chat prompt plus 128
-    # new tokens; doubling keeps the number of compiled shapes to a handful.
-    MIN_CACHE_BUCKET = 256
+    """HF generate over sorted, left-padded batches with its default (dynamic) KV cache, for
+    targets (or GPU boxes) vLLM cannot run. The prompts are sorted longest first and cut into
+    batches of batch_size, so a batch's prompts have similar lengths (little padding) and short
+    prompts never attend over the longest one's cache. On CUDA, cuDNN attention is off
+    (runtime.padded_batch_attention). Measured against static caches bucketed by length with a
+    compiled decoding step, on an H200 with the demo target (bench/decode_designs.py and
+    bench/traces_speed.py, 2026-12-04): the dynamic cache was faster in the same run, 5,415
+    vs 2,169 generated tokens/s on 2,048 recipe prompts, and needs no compile warm-up (17-43 s);
+    so the static path was removed. Greedy (temperature 0) or sampled with torch seeded by `seed`
+    before each batch (so sampled answers depend on the batch composition, unlike vLLM's
+    per-request seeds). A batch that runs past request_timeout_s is cut (generate's max_time);
+    its unfinished prompts are retried."""
 
     def start(self) -> None:
         import torch
@@ -58,10 +51,8 @@ class TransformersBackend(Backend):
             self._make_splitter(vllm_tokenizer(self.target, s.trust_remote_code))
         self._prompt_errors = prompt_error_types()
         # Facts for the shard summary, filled in as batches run.
-        self.stats: dict[str, Any] = {"decoding": "static cache", "warmup_s": 0.0, "batches": 0,
-                                      "filler_rows": 0, "cache_len": None,
-                                      "batches_per_cache_len": {}}
-        self._warmed_up: set[int] = set()  # cache lengths compiled so far
+        self.stats: dict[str, Any] = {"decoding": "HF generate, dynamic cache, batches sorted by prompt length",
+                                      "batches": 0, "longest_batch_prompt": None}
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "model": str(self.target), "dtype": self.dtype, "device": self.device,
@@ -80,24 +71,7 @@ class TransformersBackend(Backend):
         rendered.sort(key=lambda item: len(item[1]), reverse=True)  # batches of similar lengths
         for start in range(0, len(rendered), s.batch_size):
             chunk = rendered[start:start + s.batch_size]
-            prompts = [ids for _, ids in chunk]
-            cache_len = self.cache_len_for(len(prompts[0]))
-            if self._compiles() and cache_len not in self._warmed_up:
-                self._warm_up(prompts, cache_len)
-            yield from self._generate_batch([r for r, _ in chunk], prompts, cache_len, self._compiles())
-
-    def cache_len_for(self, longest_prompt: int) -> int:
-        """The static cache of a batch whose longest prompt has this many tokens: prompt plus
-        max_tokens, rounded up to MIN_CACHE_BUCKET * 2^k, within the target's context."""
-        need = longest_prompt + self.settings.max_tokens
-        cache_len = self.MIN_CACHE_BUCKET
-        while cache_len < need:
-            cache_len *= 2
-        return min(cache_len, self.max_positions) if self.max_positions else cache_len
-
-    def _compiles(self) -> bool:
-        """Whether transformers will compile the decoding step (CUDA and a static cache)."""
-        return self.device == "cuda" and not self.stats.get("compile_failed")
+            yield from self._generate_batch([r for r, _ in chunk], [ids for _, ids in chunk])
 
     def _render(self, req: PromptRequest) -> list[int]:
         text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
@@ -115,69 +89,34 @@ class TransformersBackend(Backend):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         return input_ids, mask, width
 
-    def _generate_kwargs(self, max_new: int, cache_len: int) -> dict[str, Any]:
+    def _generate_kwargs(self, max_new: int) -> dict[str, Any]:
         s = self.settings
         kwargs: dict[str, Any] = dict(max_new_tokens=max_new, eos_token_id=sorted(self.eos_ids),
-                                      pad_token_id=self.pad_id, max_time=float(s.request_timeout_s),
-                                      cache_implementation="static", max_cache_len=cache_len,
-                                      disable_compile=not self._compiles())
+                                      pad_token_id=self.pad_id, max_time=float(s.request_timeout_s))
         if s.temperature > 0:
             kwargs.update(do_sample=True, temperature=float(s.temperature), top_p=float(s.top_p))
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         return kwargs
 
-    def _warm_up(self, prompts: list[list[int]], cache_len: int) -> None:
-        """One short generate on the first batch's shapes: transformers compiles the decoding
-        step here, not inside the first real batch. If compiling fails (no working Triton,
-        an unsupported op), decoding continues uncompiled rather than failing the job."""
-        import time
-
-        import torch
-
-        prompts = prompts + [prompts[-1]] * (self.settings.batch_size - len(prompts))
-        input_ids, mask, _ = self._inputs(prompts)
-        t0 = time.monotonic()
-        try:
-            with torch.inference_mode():
-                self.model.generate(input_ids=input_ids, attention_mask=mask,
-                                    **self._generate_kwargs(self.WARMUP_TOKENS, cache_len))
-            self._warmed_up.add(cache_len)
-            self.stats["decoding"] = ("static caches bucketed by length, decoding step compiled by transformers "
-                                      "(torch.compile)")
-        except torch.OutOfMemoryError:
-            raise BackendUnavailable(f"out of memory in a batch of {len(prompts)} prompts with a {cache_len}-token "
-                                     f"static cache; lower generation.batch_size") from None
-        except Exception as err:  # torch.compile raises many types (BackendCompilerFailed, Unsupported, ...)
-            self.stats["compile_failed"] = f"{type(err).__name__}: {str(err)[:300]}"
-            self.log(f"[transformers] compiling the decoding step failed ({self.stats['compile_failed']}); "
-                     f"decoding uncompiled")
-        self.stats["warmup_s"] = round(self.stats["warmup_s"] + time.monotonic() - t0, 3)
-        self.log(f"[transformers] warm-up (compile) {time.monotonic() - t0:.1f} s; static cache {cache_len} tokens, "
-                 f"batches of {len(prompts)}")
-
-    def _generate_batch(self, batch: list[PromptRequest], prompts: list[list[int]], cache_len: int,
-                        fill: bool) -> Iterator[Completion]:
+    def _generate_batch(self, batch: list[PromptRequest], prompts: list[list[int]]) -> Iterator[Completion]:
         import torch
 
         s = self.settings
-        filler = s.batch_size - len(prompts) if fill else 0  # same shape as every batch: no recompile
-        input_ids, mask, width = self._inputs(prompts + [prompts[-1]] * filler)
-        max_new = max(1, min(s.max_tokens, cache_len - width))
+        input_ids, mask, width = self._inputs(prompts)
+        # Within the target's context: prompts are shorter than it (_render), answers may be cut.
+        max_new = min(s.max_tokens, self.max_positions - width) if self.max_positions else s.max_tokens
         if s.temperature > 0:
             torch.manual_seed(s.seed)
         try:
             with torch.inference_mode():
                 out = self.model.generate(input_ids=input_ids, attention_mask=mask,
-                                          **self._generate_kwargs(max_new, cache_len))
+                                          **self._generate_kwargs(max_new))
         except torch.OutOfMemoryError:
             raise BackendUnavailable(f"out of memory generating a batch of {len(batch)} prompts (longest "
                                      f"{width} tokens); lower generation.batch_size") from None
         self.stats["batches"] += 1
-        self.stats["filler_rows"] += filler
-        self.stats["cache_len"] = max(cache_len, self.stats["cache_len"] or 0)
-        per_len = self.stats["batches_per_cache_len"]
-        per_len[str(cache_len)] = per_len.get(str(cache_len), 0) + 1
+        self.stats["longest_batch_prompt"] = max(width, self.stats["longest_batch_prompt"] or 0)
         generated = out[:len(batch), width:].tolist()
         for req, prompt, tokens in zip(batch, prompts, generated):
             stop_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
