@@ -32,7 +32,7 @@ from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_
 from pipeline_lib.provenance import DiskDigests, Provenance  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
 from pipeline_lib.secrets import scrub_obj  # noqa: E402
-from pipeline_lib.suite_stats import HELD_OUT_SUITE, suite_figures  # noqa: E402
+from pipeline_lib.suite_stats import BASE_SUITE, HELD_OUT_SUITE, suite_figures  # noqa: E402
 
 # settings.thresholds key -> (what it is compared with, how to read that value from acceptance.json)
 THRESHOLDS = {
@@ -410,10 +410,11 @@ def lineage_section(lineage: dict) -> Section:
         [Table(["stage", "directory"], [[stage, d] for stage, d in instances.items()])] if instances else [])
 
 
-def suites_summary(acc: dict, overlaps: list[dict], settings: dict) -> dict[str, Any] | None:
+def suites_summary(acc: dict, overlaps: list[dict], settings: dict, eval_held_out: bool = False) -> dict[str, Any] | None:
     """Per suite (prompts/eval.jsonl is `eval`): tau with its bootstrap interval, per category,
     degenerate answers and tau without them, for the trained and untrained drafts; the suite's
-    overlap with the training prompts, marked over verify.overlap_threshold."""
+    overlap with the training prompts, marked over verify.overlap_threshold. eval_held_out: the
+    `eval` suite was split off the training sources (prompts.eval.source null), not decontaminated."""
     if acc.get("status") != "ok":
         return None
     boot = {"samples": 1000, "seed": 0, **(settings.get("bootstrap") or {})}
@@ -425,7 +426,7 @@ def suites_summary(acc: dict, overlaps: list[dict], settings: dict) -> dict[str,
         o["over_threshold"] = o["fraction"] > threshold
     return {"bootstrap": {**boot, "level": 0.95, "method": "percentile bootstrap over prompts; tau = 1 + "
                           "accepted/drafts pooled over each resample"},
-            "overlap_threshold": threshold, "overlap": by_suite, **out}
+            "overlap_threshold": threshold, "overlap": by_suite, "eval_held_out": eval_held_out, **out}
 
 
 def suites_section(suites: dict | None) -> list[Section]:
@@ -435,8 +436,9 @@ def suites_section(suites: dict | None) -> list[Section]:
     trained, untrained = suites["trained"]["figures"], suites["untrained"]["figures"]
     for name, s in trained.items():
         o = suites["overlap"].get(name)
-        overlap = ("held out of the training sources (never trained)" if name == HELD_OUT_SUITE else
-                   "checked at training (prompts_train)" if o is None else
+        held_out = name == HELD_OUT_SUITE or (name == BASE_SUITE and suites.get("eval_held_out"))
+        overlap = ("held out of the training sources (never trained)" if held_out else
+                   "decontaminated at training (prompts_train)" if o is None else
                    f"{o['count']} of {o['suite_prompts']} ({o['fraction']:.1%})"
                    + (" **OVER THRESHOLD**" if o["over_threshold"] else "")
                    + ("" if o["declared_at_training"] else "; not decontaminated at training"))
@@ -608,7 +610,9 @@ def main() -> int:
         "contract": contract,
         "acceptance": acceptance,
         "suites": suites_summary(acceptance, [read_json(q, "suite overlap (overlap.json)") for q in args.overlaps],
-                                 settings),
+                                 settings, eval_held_out=any(r.get("rule") == "prompts_eval"
+                                                             and (r.get("settings") or {}).get("eval_held_out")
+                                                             for r in prov_records)),
         "training": training_summary(metrics, prov_records),
         "provenance": {"records": prov_rows, "chain": chain},
         "inputs": {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics,

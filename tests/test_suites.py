@@ -247,3 +247,21 @@ def test_held_out_prompts_are_a_suite_of_their_own():
     assert suite_of("eval", "held-out") == "held-out"
     assert suite_of("eval", None) == "eval"
     assert suite_of("humaneval", "held-out") == "humaneval"
+
+
+@pytest.mark.parametrize("eval_held_out", [False, True], ids=["eval-source", "held-out-split"])
+def test_report_says_how_the_eval_suite_was_kept_out_of_training(eval_held_out):
+    """The suites table's overlap column for prompts/eval.jsonl: decontaminated at training when
+    it comes from prompts.eval.source, held out of the training sources when it was split off
+    them (prompts.eval.source null) - never a decontamination claim for a split."""
+    import make_report
+
+    rows = [{"id": f"p{i}", "suite": "eval", "category": "c", "num_drafts": 3, "num_accepted_tokens": i % 3}
+            for i in range(6)]
+    summary = make_report.suites_summary({"status": "ok", "requests": {"trained": rows, "untrained": rows}}, [],
+                                         {"bootstrap": {"samples": 50}}, eval_held_out=eval_held_out)
+    (section,) = make_report.suites_section(summary)
+    (eval_row,) = section.tables[0].rows
+    assert eval_row[0] == "eval"
+    assert eval_row[-1] == ("held out of the training sources (never trained)" if eval_held_out
+                            else "decontaminated at training (prompts_train)")
