@@ -1,14 +1,20 @@
 """profiles/slurm against a REAL single-node SLURM cluster (tests/slurm_cluster.py).
 
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
-placeholders and the status-check settings are replaced (no slurmdbd here, so squeue). One
-module fixture runs, at the same time (each mostly waits on SLURM's status polls):
-  - a throwaway workflow whose jobs ask for gpu=1 / gpu=2, run through SLURM;
+placeholders and the first status-check delay are replaced. The cluster has accounting
+(slurmdbd), so the pipeline's runs use the profile's `sacct` status command, the plugin's
+default; the throwaway workflow uses `squeue`, the profile's documented choice without
+slurmdbd. One module fixture runs three things at the same time (each mostly waits on SLURM's
+status polls and its jobs' start-up):
+  - a throwaway workflow whose jobs ask for gpu=1 / gpu=2, run through SLURM (squeue);
   - the whole pipeline (target to verification report) on the tiny reasoning target, with
-    the e2e run's config plus one fake GPU per GPU stage, one job at a time (the box has two
-    real cores; two vLLM engines at once slow each other ~10x).
-Then a preemption: a second draft variant trains for many epochs, its SLURM job is cancelled
-with `scancel` after some epochs, the rerun resumes after the last saved epoch.
+    the e2e run's config plus one fake GPU per GPU stage; independent jobs run side by side,
+    the vLLM/GPU stages one at a time (`--resources gpu=1`: the box has two real cores, two
+    vLLM engines at once slow each other ~10x);
+  - a preemption: a second draft variant trains for many epochs in its own working directory
+    seeded with a copy of the e2e run's results (its training inputs: target, hidden states;
+    only train_draft runs, through SLURM), its SLURM job is cancelled with `scancel` after
+    some epochs, the rerun resumes after the last saved epoch.
 The local reference is the session's e2e run (conftest.e2e): the same Snakefile and config,
 profiles/default. SLURM is never skipped: without it these tests fail and say to run
 .ci/install_slurm.sh."""
@@ -18,6 +24,7 @@ import copy
 import itertools
 import json
 import re
+import shutil
 import sys
 import textwrap
 import time
@@ -43,8 +50,9 @@ DETERMINISTIC = ["target/model", "target/manifest.json", "prompts/train.jsonl", 
                  "traces/traces.jsonl", "tokenized/data", "tokenized/token_freq.pt", "tokenized/stats.json",
                  "hidden_states/data", "hidden_states/manifest.json", "drafts/default/final",
                  "drafts/default/untrained"]
-# The preemption: a variant long enough to be cancelled mid-training (an epoch takes ~0.5 s).
-PREEMPT_VARIANT, PREEMPT_EPOCHS, CANCEL_AFTER_EPOCH = "preempt", 40, 2
+# The preemption: a variant long enough to be cancelled mid-training (an epoch takes ~0.5 s
+# alone on the box, ~1 s next to the pipeline's jobs).
+PREEMPT_VARIANT, PREEMPT_EPOCHS, CANCEL_AFTER_EPOCH = "preempt", 16, 2
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 
 
@@ -105,6 +113,7 @@ class Runs:
     pipeline: BoundedRun
     results: Path
     local_results: Path
+    preempt_results: Path
     preempted: BoundedRun
     resumed: BoundedRun
     cancelled_job: str
@@ -115,44 +124,60 @@ def snakemake_command(snakefile: Path, workdir: Path, *args: str) -> list[str]:
     return [PY, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
 
 
-def wait_for(predicate, timeout: float, what: str, run: BoundedRun):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if run.poll():
-            raise AssertionError(f"{what}: the run ended first ({run.returncode}):\n{run.output[-6000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{run.output[-6000:]}")
+class Preemption:
+    """Train a long variant through SLURM, scancel its job once CANCEL_AFTER_EPOCH is saved,
+    then rerun the same command. Runs beside the pipeline: `poll()` advances it a step."""
 
+    def __init__(self, workdir: Path, profile: Path, config: dict, root: Path, seed_from: Path):
+        cfg = copy.deepcopy(config)
+        cfg["variants"][PREEMPT_VARIANT] = {"epochs": PREEMPT_EPOCHS}
+        # Its training inputs (target, hidden states) and everything upstream: copies of the
+        # e2e run's, mtimes kept, so Snakemake finds them up to date and runs train_draft only.
+        shutil.copytree(seed_from, workdir / "results" / cfg["run_name"], copy_function=shutil.copy2,
+                        ignore=shutil.ignore_patterns("drafts"))
+        configfile = write_config(workdir, cfg)
+        self.results = workdir / "results" / cfg["run_name"]
+        self.checkpoints = self.results / "drafts" / PREEMPT_VARIANT / "checkpoints"
+        self.cmd = snakemake_command(REPO / "Snakefile", workdir, "--configfile", str(configfile),
+                                     "--workflow-profile", str(profile),
+                                     f"results/{cfg['run_name']}/drafts/{PREEMPT_VARIANT}/final")
+        self.root = root
+        self.first = BoundedRun(self.cmd, root / "preempt-1.log", RUN_TIMEOUT_S)
+        self.second: BoundedRun | None = None
+        self.job: str | None = None     # the cancelled SLURM job
+        self.saved: int | None = None   # the last complete epoch when it was cancelled
+        self.cancel_by = time.monotonic() + 420
 
-def preempt_training(runs_dir: Path, profile: Path, config: dict, root: Path) -> tuple[BoundedRun, BoundedRun, str, int]:
-    """Start training a long variant through SLURM, scancel its job once CANCEL_AFTER_EPOCH
-    is saved, then rerun the same command: (cancelled run, rerun, SLURM job id, last epoch
-    saved before the cancel)."""
-    cfg = copy.deepcopy(config)
-    cfg["variants"][PREEMPT_VARIANT] = {"epochs": PREEMPT_EPOCHS}
-    configfile = write_config(root / "preempt", cfg)
-    target = f"results/{cfg['run_name']}/drafts/{PREEMPT_VARIANT}/final"
-    cmd = snakemake_command(REPO / "Snakefile", runs_dir, "--configfile", str(configfile),
-                            "--workflow-profile", str(profile), target)
-    first = BoundedRun(cmd, root / "preempt-1.log", RUN_TIMEOUT_S)
-    try:
-        job = wait_for(lambda: next((sid for _, sid, log in SUBMITTED.findall(first.output)
-                                     if "rule_train_draft" in log), None), 120, "the train_draft submission", first)
-        ckpt = runs_dir / "results" / cfg["run_name"] / "drafts" / PREEMPT_VARIANT / "checkpoints"
-        # An epoch is complete once saved AND validated (train_draft.py's rule: speculators saves
-        # before it validates), so wait for its validation row in the metrics log.
-        wait_for(lambda: CANCEL_AFTER_EPOCH in complete_epochs(ckpt), 300,
-                 f"epoch {CANCEL_AFTER_EPOCH} of the preempt variant", first)
-        run(["scancel", job])
-        saved = max(complete_epochs(ckpt))
-        first.wait()
-    finally:
-        first.interrupt()
-    second = BoundedRun(cmd, root / "preempt-2.log", RUN_TIMEOUT_S).wait()
-    return first, second, job, saved
+    def poll(self) -> bool:
+        """True once the rerun has finished; raises if a step never happened."""
+        if self.job is None:
+            self.job = next((sid for _, sid, log in SUBMITTED.findall(self.first.output)
+                             if "rule_train_draft" in log), None)
+        if self.saved is None:
+            # An epoch is complete once saved AND validated (train_draft.py's rule: speculators
+            # saves before it validates), so wait for its validation row in the metrics log.
+            if self.job is not None and CANCEL_AFTER_EPOCH in complete_epochs(self.checkpoints):
+                run(["scancel", self.job])
+                self.saved = max(complete_epochs(self.checkpoints))
+            elif self.first.poll() or time.monotonic() > self.cancel_by:
+                self.first.interrupt()
+                raise AssertionError(f"no scancel: job {self.job} did not reach epoch {CANCEL_AFTER_EPOCH} before "
+                                     f"the run ended or 420 s passed:\n{self.first.output[-6000:]}")
+            return False
+        if not self.first.poll():
+            if time.monotonic() > self.first.deadline:
+                self.first.wait()  # interrupts it
+            return False
+        if self.second is None:
+            self.second = BoundedRun(self.cmd, self.root / "preempt-2.log", RUN_TIMEOUT_S)
+        if not self.second.poll() and time.monotonic() > self.second.deadline:
+            self.second.wait()
+        return self.second.poll()
+
+    def interrupt(self) -> None:
+        for r in (self.first, self.second):
+            if r is not None:
+                r.interrupt()
 
 
 def complete_epochs(ckpt: Path) -> set[int]:
@@ -172,9 +197,14 @@ def complete_epochs(ckpt: Path) -> set[int]:
 @pytest.fixture(scope="module")
 def runs(slurm_cluster, e2e, tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-runs")
-    gpu_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-gpu")
-    # One pipeline job at a time: two CPU-bound jobs on the 2 real cores would crawl.
-    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", jobs=1)
+    # squeue: the documented choice without slurmdbd, kept covered by the throwaway workflow,
+    # and needed by the preemption: sacct calls a cancelled job "CANCELLED by <uid>", which
+    # the plugin (2.8.0) does not count as failed, so that run would wait forever.
+    squeue_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-squeue",
+                                       **{"slurm-status-command": "squeue"})
+    # Independent pipeline jobs side by side, the GPU (vLLM) stages one at a time: two
+    # CPU-bound vLLM engines on the 2 real cores would crawl. The status command stays sacct.
+    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", resources=["gpu=1"])
 
     gpu_dir = root / "gpu-wf"
     gpu_dir.mkdir()
@@ -186,24 +216,40 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     slurm_dir = root / "pipeline-slurm"
     slurm_cfg = write_config(slurm_dir, config)
 
+    started_at = time.monotonic()
     started = [
-        gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(gpu_profile)),
+        # --verbose: the plugin then logs which command each status check used.
+        gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(squeue_profile),
+                                            "--verbose"),
                           root / "gpu-wf.log", RUN_TIMEOUT_S),
         pipeline := BoundedRun(snakemake_command(REPO / "Snakefile", slurm_dir, "--configfile", str(slurm_cfg),
-                                                 "--workflow-profile", str(profile)),
+                                                 "--workflow-profile", str(profile), "--verbose"),
                                root / "pipeline-slurm.log", RUN_TIMEOUT_S),
     ]
+    preemption = None
     try:
-        BoundedRun.wait_all(started)
+        preemption = Preemption(root / "preempt-slurm", squeue_profile, config, root, e2e.results)
+        # Both evaluated every round: the preemption advances while the runs go on.
+        while not all([preemption.poll(), *[r.poll() for r in started]]):
+            for r in started:
+                if not r.poll() and time.monotonic() > r.deadline:
+                    r.wait()  # interrupts it
+            time.sleep(0.1)
         pipeline.check()
-        preempted, resumed, job, saved = preempt_training(slurm_dir, profile, config, root)
         yield Runs(gpu_dir, gpu, slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
-                   preempted, resumed, job, saved)
+                   preemption.results, preemption.first, preemption.second, preemption.job, preemption.saved)
     finally:
-        for r in started:  # when the wait above was cut short (e.g. Ctrl-C): nothing keeps running
+        for r in started:  # when a wait was cut short: nothing keeps running
             r.interrupt()
-        print(f"\nSLURM test wall times: GPU workflow {gpu.wall_s:.1f} s, pipeline via SLURM {pipeline.wall_s:.1f} s "
-              f"(alongside)", file=sys.stderr)
+        if preemption is not None:
+            preemption.interrupt()
+        walls = {"cluster start": slurm_cluster.start_s, "GPU workflow": gpu.wall_s, "pipeline": pipeline.wall_s,
+                 "preempted run": preemption and preemption.first.wall_s,
+                 "resumed run": preemption and preemption.second and preemption.second.wall_s,
+                 "all three side by side": time.monotonic() - started_at}
+        (root / "timings.json").write_text(json.dumps(walls, indent=1))
+        print("\nSLURM test wall times (s): " + ", ".join(f"{k} {v:.1f}" if v is not None else f"{k} -"
+                                                          for k, v in walls.items()), file=sys.stderr)
 
 
 def test_every_job_goes_through_sbatch_and_its_slurm_log_is_kept(runs):
@@ -282,13 +328,14 @@ def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
 
 
 def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
-    submitted = slurm_job_rules(runs.pipeline.check()) | slurm_job_rules(runs.resumed.check())
+    submitted = slurm_job_rules(runs.pipeline.check())
     # provenance.json records SLURM_JOB_ID (pipeline_lib.provenance.ENV_ALLOW_LIST): every
     # artifact of a submitted rule names one of the submitted jobs; localrules' name none.
+    # (The preempted variant's record is checked by the preemption test.)
     provenance = sorted(runs.results.rglob("*provenance.json"))
     rules = sorted(json.loads(p.read_text())["rule"] for p in provenance)
     assert rules == sorted(["target", "prompts_train", "prompts_eval", "eval_suite", "traces_gather", "tokenize",
-                            "hidden_states_gather", "train_draft", "train_draft", "contract_checks", "acceptance",
+                            "hidden_states_gather", "train_draft", "contract_checks", "acceptance",
                             "report"]), rules
     for path in provenance:
         record = json.loads(path.read_text())
@@ -322,17 +369,19 @@ def test_a_cancelled_training_job_resumes_when_rerun(runs):
     first_jobs = slurm_job_rules(runs.preempted.output)
     assert first_jobs.get(runs.cancelled_job) == "train_draft"
     assert f"{runs.cancelled_job}" in runs.preempted.output and "train_draft" in runs.preempted.output
+    # Seeded with the e2e run's upstream: nothing but this training went to SLURM.
+    assert list(first_jobs.values()) == ["train_draft"], first_jobs
     runs.resumed.check()
     [resumed_job] = slurm_job_rules(runs.resumed.output)
     assert resumed_job != runs.cancelled_job
-    variant = runs.results / "drafts" / PREEMPT_VARIANT
+    variant = runs.preempt_results / "drafts" / PREEMPT_VARIANT
     prov = json.loads((variant / "provenance.json").read_text())
     resumed_after = prov["resumed_after_epoch"]
     # Cancelled once epoch CANCEL_AFTER_EPOCH was saved (a later one may have been saved while
     # the signal was on its way), well before the last epoch.
     assert runs.cancelled_after_epoch <= resumed_after < PREEMPT_EPOCHS - 1
     assert prov["env"]["SLURM_JOB_ID"] == resumed_job
-    log = (runs.results / "logs/train" / f"{PREEMPT_VARIANT}.log").read_text()
+    log = (runs.preempt_results / "logs/train" / f"{PREEMPT_VARIANT}.log").read_text()
     assert f"resuming after epoch {resumed_after}" in log
     assert f"Training epoch {resumed_after + 1}/{PREEMPT_EPOCHS} started" not in log  # not trained again
     # Epochs up to the resume point were trained (and logged) by the cancelled job only, the
@@ -345,3 +394,28 @@ def test_a_cancelled_training_job_resumes_when_rerun(runs):
     assert all(r["run_started"] == (first if r["epoch"] <= resumed_after else second) for r in rows)
     assert {(e, s) for e in range(resumed_after + 1, PREEMPT_EPOCHS) for s in ("train", "val")} <= set(keys)
     assert (variant / "final/config.json").exists()
+
+
+STATUS_CYCLE = re.compile(r"Status query timing \(cycle\): command=(\w+),")
+
+
+def sacct_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """{job id: (job name, state)} as SLURM's accounting (sacct, through slurmdbd) has them."""
+    out = run(["sacct", "-X", "--parsable2", "--noheader", "--format=JobIdRaw,JobName,State",
+               "-j", ",".join(job_ids)]).stdout
+    return {jid: (name, state) for jid, name, state in (line.split("|") for line in out.splitlines())}
+
+
+def test_the_pipeline_polled_sacct_and_accounting_has_every_job(runs):
+    """The shipped profile's status command, sacct, is what the pipeline run polled with, and
+    slurmdbd's records (what sacct answered) show each of its jobs COMPLETED, all under the
+    one job name the plugin gives a run and filters its sacct query on."""
+    log = runs.pipeline.check()
+    assert set(STATUS_CYCLE.findall(log)) == {"sacct"}, "the pipeline's status checks did not all use sacct"
+    jobs = submitted_jobs(log)
+    states = sacct_states(list(jobs))
+    assert sorted(states) == sorted(jobs), f"sacct knows {sorted(states)} of the submitted jobs {sorted(jobs)}"
+    assert {state for _, state in states.values()} == {"COMPLETED"}, states
+    assert len({name for name, _ in states.values()}) == 1, states
+    # The squeue path (no slurmdbd) stays covered: the throwaway workflow's checks used squeue.
+    assert set(STATUS_CYCLE.findall(runs.gpu.check())) == {"squeue"}
