@@ -46,6 +46,9 @@ NODE_MEM_MB = 64000    # not enforced (no cgroups); the pipeline's rules ask for
 MIN_JOB_AGE_S = 1800   # squeue (and scontrol, which the tests ask) keep finished jobs this long: >= 3x the status-check delay
 SLURMDBD_PORT = 6819   # SLURM's default
 DB_USER, DB_NAME = "slurm", "slurm_acct_db"
+# A cluster-wide count of 1: jobs asking for it (`--licenses=vllm`) run one at a time, queued by
+# SLURM itself, as GPU jobs would on a node with one GPU (the box's 2 cores take one vLLM engine).
+LICENSE = "vllm"
 
 
 def _which(name: str) -> str | None:
@@ -133,6 +136,7 @@ class SlurmCluster:
             "ReturnToService=2",
             f"MinJobAge={MIN_JOB_AGE_S}",
             "GresTypes=gpu",
+            f"Licenses={LICENSE}:1",
             "SlurmdParameters=config_overrides",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEM_MB} "
             f"Gres=gpu:{NUM_GPUS} State=UNKNOWN",
@@ -375,17 +379,20 @@ def slurm_cluster():
 # --- Snakemake through the profile ----------------------------------------------------------
 
 
-def make_test_profile(source: Path, dest: Path, **overrides) -> Path:
+def make_test_profile(source: Path, dest: Path, one_at_a_time: tuple[str, ...] = (), **overrides) -> Path:
     """A copy of a SLURM profile with this cluster's partition/account and quick status checks.
 
     Every other key is kept as the user would get it, the status command (`sacct`, which this
-    cluster's slurmdbd answers) included unless `overrides` names another."""
+    cluster's slurmdbd answers) included unless `overrides` names another. Jobs of the rules in
+    `one_at_a_time` ask for the cluster's single LICENSE."""
     profile = yaml.safe_load((source / "config.yaml").read_text())
     profile["default-resources"].update({"slurm_partition": PARTITION, "slurm_account": ACCOUNT,
                                          "mem_mb": 1000, "runtime": 10})
     for rule_resources in (profile.get("set-resources") or {}).values():
         if "slurm_partition" in rule_resources:
             rule_resources["slurm_partition"] = PARTITION
+    for rule in one_at_a_time:
+        profile.setdefault("set-resources", {}).setdefault(rule, {})["slurm_extra"] = f"--licenses={LICENSE}"
     profile.update({
         # The plugin waits this long before its first status check and after every check that
         # saw a job finish (it adds 10 s after each that saw none); the profile's 20 s is for

@@ -1,20 +1,24 @@
 """profiles/slurm against a REAL single-node SLURM cluster (tests/slurm_cluster.py).
 
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
-placeholders and the first status-check delay are replaced. The cluster has accounting
-(slurmdbd), so the pipeline's runs use the profile's `sacct` status command, the plugin's
-default; the throwaway workflow uses `squeue`, the profile's documented choice without
-slurmdbd. One module fixture runs three things at the same time (each mostly waits on SLURM's
-status polls and its jobs' start-up):
+placeholders and the first status-check delay are replaced, and the vLLM stages ask for the
+cluster's one `vllm` license, so SLURM runs them one at a time (the box's 2 cores take one vLLM
+engine; two at once crawl). The cluster has accounting (slurmdbd), so the pipeline's runs use
+the profile's `sacct` status command, the plugin's default; the throwaway workflow and the
+preemption use `squeue`, the profile's documented choice without slurmdbd.
+
+The whole chain goes through SLURM in two halves that run at the same time, next to two more
+runs (each mostly waits on SLURM's status polls and its jobs' start-up):
+  - upstream: target, prompts, eval suite, trace shards (gather), tokenize (`--until`);
+  - downstream: hidden-state shards (gather), training, load check, contract checks,
+    acceptance, report, in a working directory seeded with the e2e run's copies of what the
+    upstream half makes. Both halves' artifacts must equal the e2e run's bytes, so the
+    downstream half's inputs are exactly what the upstream half made through SLURM;
   - a throwaway workflow whose jobs ask for gpu=1 / gpu=2, run through SLURM (squeue);
-  - the whole pipeline (target to verification report) on the tiny reasoning target, with
-    the e2e run's config plus one fake GPU per GPU stage; independent jobs run side by side,
-    the vLLM/GPU stages one at a time (`--resources gpu=1`: the box has two real cores, two
-    vLLM engines at once slow each other ~10x);
   - a preemption: a second draft variant trains for many epochs in its own working directory
-    seeded with a copy of the e2e run's results (its training inputs: target, hidden states;
-    only train_draft runs, through SLURM), its SLURM job is cancelled with `scancel` after
-    some epochs, the rerun resumes after the last saved epoch.
+    seeded with a copy of the e2e run's results (only train_draft runs, through SLURM), its
+    SLURM job is cancelled with `scancel` after some epochs, the rerun resumes after the last
+    saved epoch.
 The local reference is the session's e2e run (conftest.e2e): the same Snakefile and config,
 profiles/default. SLURM is never skipped: without it these tests fail and say to run
 .ci/install_slurm.sh."""
@@ -45,6 +49,13 @@ LOCAL_RULES = {"all", "traces_gather", "hidden_states_gather", "compare_variants
 # a CUDA device, and SLURM's fake GPUs are /dev/null clones).
 GPU_RULES = {"traces_shard", "hidden_states_shard", "load_check", "acceptance"}
 GPU_RESOURCES = {"traces": {"gpu": 1}, "hidden_states": {"gpu": 1}, "verify": {"gpu": 1}}
+# The chain's two halves: the rules the upstream run sends to SLURM (up to --until), and the
+# results/<run>/ folders they make, which seed the downstream run.
+UPSTREAM_RULES = {"target", "prompts_train", "prompts_eval", "eval_suite", "traces_shard", "tokenize"}
+UPSTREAM_UNTIL = ["tokenize", "eval_suite", "prompts_eval"]
+UPSTREAM_DIRS = {"target", "prompts", "eval_suites", "traces", "tokenized"}
+ALL_SUBMITTED_RULES = UPSTREAM_RULES | {"hidden_states_shard", "train_draft", "load_check", "contract_checks",
+                                        "acceptance", "report"}
 # Artifacts whose bytes depend only on their inputs: equal in the SLURM run and the local one.
 DETERMINISTIC = ["target/model", "target/manifest.json", "prompts/train.jsonl", "prompts/eval.jsonl",
                  "traces/traces.jsonl", "tokenized/data", "tokenized/token_freq.pt", "tokenized/stats.json",
@@ -109,8 +120,10 @@ GPU_SNAKEFILE = textwrap.dedent("""
 class Runs:
     gpu_dir: Path
     gpu: BoundedRun
+    upstream: BoundedRun
+    upstream_results: Path
     slurm_dir: Path
-    pipeline: BoundedRun
+    pipeline: BoundedRun      # the downstream half
     results: Path
     local_results: Path
     preempt_results: Path
@@ -202,9 +215,8 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     # the plugin (2.8.0) does not count as failed, so that run would wait forever.
     squeue_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-squeue",
                                        **{"slurm-status-command": "squeue"})
-    # Independent pipeline jobs side by side, the GPU (vLLM) stages one at a time: two
-    # CPU-bound vLLM engines on the 2 real cores would crawl. The status command stays sacct.
-    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", resources=["gpu=1"])
+    # The status command stays the shipped sacct; vLLM jobs queue for the one license.
+    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", one_at_a_time=tuple(GPU_RULES))
 
     gpu_dir = root / "gpu-wf"
     gpu_dir.mkdir()
@@ -213,8 +225,14 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
                                                             recorder=str(gpu_dir / "recorder.py")))
     config = copy.deepcopy(e2e.config)
     config["resources"] = GPU_RESOURCES
+    upstream_dir = root / "pipeline-upstream"
+    upstream_cfg = write_config(upstream_dir, config)
     slurm_dir = root / "pipeline-slurm"
     slurm_cfg = write_config(slurm_dir, config)
+    # Copies keep their mtimes, so Snakemake finds them up to date and runs the rest.
+    for sub in UPSTREAM_DIRS:
+        shutil.copytree(e2e.results / sub, slurm_dir / "results" / config["run_name"] / sub,
+                        copy_function=shutil.copy2)
 
     started_at = time.monotonic()
     started = [
@@ -222,6 +240,10 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
         gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(squeue_profile),
                                             "--verbose"),
                           root / "gpu-wf.log", RUN_TIMEOUT_S),
+        upstream := BoundedRun(snakemake_command(REPO / "Snakefile", upstream_dir, "--configfile", str(upstream_cfg),
+                                                 "--workflow-profile", str(profile), "--verbose",
+                                                 "--until", *UPSTREAM_UNTIL),
+                               root / "pipeline-upstream.log", RUN_TIMEOUT_S),
         pipeline := BoundedRun(snakemake_command(REPO / "Snakefile", slurm_dir, "--configfile", str(slurm_cfg),
                                                  "--workflow-profile", str(profile), "--verbose"),
                                root / "pipeline-slurm.log", RUN_TIMEOUT_S),
@@ -235,30 +257,34 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
                 if not r.poll() and time.monotonic() > r.deadline:
                     r.wait()  # interrupts it
             time.sleep(0.1)
+        upstream.check()
         pipeline.check()
-        yield Runs(gpu_dir, gpu, slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
+        yield Runs(gpu_dir, gpu, upstream, upstream_dir / "results" / config["run_name"],
+                   slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
                    preemption.results, preemption.first, preemption.second, preemption.job, preemption.saved)
     finally:
         for r in started:  # when a wait was cut short: nothing keeps running
             r.interrupt()
         if preemption is not None:
             preemption.interrupt()
-        walls = {"cluster start": slurm_cluster.start_s, "GPU workflow": gpu.wall_s, "pipeline": pipeline.wall_s,
+        walls = {"cluster start": slurm_cluster.start_s, "GPU workflow": gpu.wall_s, "upstream": upstream.wall_s,
+                 "downstream": pipeline.wall_s,
                  "preempted run": preemption and preemption.first.wall_s,
                  "resumed run": preemption and preemption.second and preemption.second.wall_s,
-                 "all three side by side": time.monotonic() - started_at}
+                 "all side by side": time.monotonic() - started_at}
         (root / "timings.json").write_text(json.dumps(walls, indent=1))
         print("\nSLURM test wall times (s): " + ", ".join(f"{k} {v:.1f}" if v is not None else f"{k} -"
                                                           for k, v in walls.items()), file=sys.stderr)
 
 
 def test_every_job_goes_through_sbatch_and_its_slurm_log_is_kept(runs):
-    remote, _ = rules_run(runs.pipeline.check())
-    # The whole chain, every stage: nothing but the localrules ran outside SLURM.
-    assert set(remote) == {"target", "prompts_train", "prompts_eval", "eval_suite", "traces_shard", "tokenize",
-                           "hidden_states_shard", "train_draft", "load_check", "contract_checks", "acceptance",
-                           "report"}, remote
-    for run_, expected_remote in ((runs.gpu, 3), (runs.pipeline, None), (runs.resumed, 1)):
+    upstream, _ = rules_run(runs.upstream.check())
+    downstream, _ = rules_run(runs.pipeline.check())
+    # The whole chain, every stage, each in one of the halves (the downstream one redid none of
+    # the upstream's): nothing but the localrules ran outside SLURM.
+    assert set(upstream) == UPSTREAM_RULES, upstream
+    assert set(downstream) == ALL_SUBMITTED_RULES - UPSTREAM_RULES, downstream
+    for run_, expected_remote in ((runs.gpu, 3), (runs.upstream, None), (runs.pipeline, None), (runs.resumed, 1)):
         log = run_.check()
         remote, local = rules_run(log)
         submitted = submitted_jobs(log)
@@ -311,14 +337,16 @@ def slurm_job_rules(log: str) -> dict[str, str]:
 
 
 def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
-    jobs = slurm_job_rules(runs.pipeline.check())
-    rule_logs = "\n".join(p.read_text(errors="replace") for p in (runs.results / "logs").rglob("*.log"))
+    jobs = slurm_job_rules(runs.upstream.check()) | slurm_job_rules(runs.pipeline.check())
+    rule_logs = "\n".join(p.read_text(errors="replace") for results in (runs.upstream_results, runs.results)
+                          for p in (results / "logs").rglob("*.log"))
     gpu_jobs = 0
     for sid, rule in jobs.items():
         shown = run(["scontrol", "-d", "show", "job", sid]).stdout
         if rule in GPU_RULES:
             gpu_jobs += 1
             assert "TresPerJob=gres:gpu:1" in shown, f"{rule} (job {sid}) was not submitted with --gpus=1:\n{shown}"
+            assert "Licenses=vllm" in shown, f"{rule} (job {sid}) did not queue for the vLLM license:\n{shown}"
             # The job's GPU wrapper saw the device SLURM allocated (not a local lock's choice).
             assert re.search(rf"SLURM job {sid} gave CUDA_VISIBLE_DEVICES=[0-{NUM_GPUS - 1}] \(1 GPU", rule_logs), \
                 f"{rule} (job {sid}): no gres reached the job"
@@ -328,16 +356,18 @@ def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
 
 
 def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
-    submitted = slurm_job_rules(runs.pipeline.check())
     # provenance.json records SLURM_JOB_ID (pipeline_lib.provenance.ENV_ALLOW_LIST): every
-    # artifact of a submitted rule names one of the submitted jobs; localrules' name none.
-    # (The preempted variant's record is checked by the preemption test.)
-    provenance = sorted(runs.results.rglob("*provenance.json"))
-    rules = sorted(json.loads(p.read_text())["rule"] for p in provenance)
+    # artifact of a submitted rule names one of the jobs its run submitted; localrules' name
+    # none. (The downstream half's seeded copies are the e2e run's; the preempted variant's
+    # record is checked by the preemption test.)
+    made = [(path, slurm_job_rules(runs.upstream.check())) for path in runs.upstream_results.rglob("*provenance.json")]
+    made += [(path, slurm_job_rules(runs.pipeline.check())) for path in runs.results.rglob("*provenance.json")
+             if path.relative_to(runs.results).parts[0] not in UPSTREAM_DIRS]
+    rules = sorted(json.loads(path.read_text())["rule"] for path, _ in made)
     assert rules == sorted(["target", "prompts_train", "prompts_eval", "eval_suite", "traces_gather", "tokenize",
                             "hidden_states_gather", "train_draft", "contract_checks", "acceptance",
                             "report"]), rules
-    for path in provenance:
+    for path, submitted in made:
         record = json.loads(path.read_text())
         job = record.get("env", {}).get("SLURM_JOB_ID")
         if record["rule"] in LOCAL_RULES:
@@ -350,8 +380,9 @@ def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
 
 def test_the_chain_through_slurm_matches_the_local_run(runs):
     for rel in DETERMINISTIC:
-        assert path_digest(runs.results / rel) == path_digest(runs.local_results / rel), \
-            f"{rel} differs between the SLURM run and the local run"
+        made_by = runs.upstream_results if rel.split("/")[0] in UPSTREAM_DIRS else runs.results
+        assert path_digest(made_by / rel) == path_digest(runs.local_results / rel), \
+            f"{rel} differs between the SLURM run ({made_by}) and the local run"
     # Acceptance and the verdict too (vLLM greedy in fp32); only timings may differ.
     ours, theirs = (json.loads((r / "drafts/default/report/verification.json").read_text())
                     for r in (runs.results, runs.local_results))
@@ -410,12 +441,16 @@ def test_the_pipeline_polled_sacct_and_accounting_has_every_job(runs):
     """The shipped profile's status command, sacct, is what the pipeline run polled with, and
     slurmdbd's records (what sacct answered) show each of its jobs COMPLETED, all under the
     one job name the plugin gives a run and filters its sacct query on."""
-    log = runs.pipeline.check()
-    assert set(STATUS_CYCLE.findall(log)) == {"sacct"}, "the pipeline's status checks did not all use sacct"
-    jobs = submitted_jobs(log)
-    states = sacct_states(list(jobs))
-    assert sorted(states) == sorted(jobs), f"sacct knows {sorted(states)} of the submitted jobs {sorted(jobs)}"
-    assert {state for _, state in states.values()} == {"COMPLETED"}, states
-    assert len({name for name, _ in states.values()}) == 1, states
+    names = set()
+    for half in (runs.upstream, runs.pipeline):
+        log = half.check()
+        assert set(STATUS_CYCLE.findall(log)) == {"sacct"}, "the pipeline's status checks did not all use sacct"
+        jobs = submitted_jobs(log)
+        states = sacct_states(list(jobs))
+        assert sorted(states) == sorted(jobs), f"sacct knows {sorted(states)} of the submitted jobs {sorted(jobs)}"
+        assert {state for _, state in states.values()} == {"COMPLETED"}, states
+        [name] = {name for name, _ in states.values()}
+        names.add(name)
+    assert len(names) == 2, names  # one per run: the plugin's sacct query tells the runs apart
     # The squeue path (no slurmdbd) stays covered: the throwaway workflow's checks used squeue.
     assert set(STATUS_CYCLE.findall(runs.gpu.check())) == {"squeue"}
