@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Installs what tests/test_slurm.py needs to run a real single-node SLURM cluster on this box:
-# Debian's slurmctld + slurmd + slurm-client (SLURM 22.05 on Debian 12) and munge.
+# Debian's slurmctld + slurmd + slurm-client (SLURM 22.05 on Debian 12) and munge, plus
+# slurmdbd and mariadb-server for accounting (what makes `sacct`, the SLURM executor plugin's
+# default status command, work).
 # Idempotent: does nothing when every binary is already there. Needs root (CI runs as root).
-# It only installs: the test writes /etc/slurm/*.conf and starts/stops the daemons itself.
+# It only installs: the test writes /etc/slurm/*.conf, makes a private database and
+# starts/stops the daemons itself (no service is started here).
 set -euo pipefail
 
 # (sbatch --version would need a slurm.conf already; ask dpkg instead.)
-installed_versions() { dpkg-query -W -f '${Package} ${Version}  ' slurmctld slurmd slurm-client munge 2>/dev/null; }
+packages=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
+installed_versions() { dpkg-query -W -f '${Package} ${Version}  ' "${packages[@]}" 2>/dev/null; }
 
-needed=(slurmctld slurmd sbatch squeue scontrol munged)
+needed=(slurmctld slurmd sbatch squeue scontrol sacct sacctmgr munged slurmdbd mariadbd mariadb-install-db)
 missing=()
 for bin in "${needed[@]}"; do
     # munged lives in /usr/sbin, which is not always on a CI PATH.
@@ -18,7 +22,7 @@ if [ ${#missing[@]} -eq 0 ]; then
     echo "[install_slurm] already installed: $(installed_versions)"
     exit 0
 fi
-echo "[install_slurm] missing: ${missing[*]}; installing slurmctld slurmd slurm-client munge"
+echo "[install_slurm] missing: ${missing[*]}; installing ${packages[*]}"
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "[install_slurm] ERROR: SLURM is not installed and installing it needs root (apt-get):" \
@@ -37,12 +41,13 @@ fi
 trap 'if [ "$created_policy" = 1 ]; then rm -f "$policy"; fi' EXIT
 
 timeout 600 apt-get update -qq
-timeout 900 apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
-    || timeout 900 apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge
+started=$SECONDS
+timeout 900 apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null 2>&1 \
+    || timeout 900 apt-get install -y --no-install-recommends "${packages[@]}"
 for bin in "${needed[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || {
         echo "[install_slurm] ERROR: $bin still missing after apt-get install" >&2
         exit 1
     }
 done
-echo "[install_slurm] installed: $(installed_versions)"
+echo "[install_slurm] installed in $((SECONDS - started)) s (apt-get update not counted): $(installed_versions)"

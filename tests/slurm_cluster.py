@@ -1,6 +1,7 @@
 """A real single-node SLURM cluster on this machine, for tests of the cluster profile.
 
-Debian's slurmctld/slurmd (22.05) and munge, started by hand as root (no init system), each
+Debian's slurmctld/slurmd (22.05) and munge, with accounting (slurmdbd on a private MariaDB,
+so `sacct` answers as on a production cluster), started by hand as root (no init system), each
 in the foreground as a child of the test process, so it is stopped by its own pid. The node
 advertises two fake GPUs (character-device clones of /dev/null), enough for SLURM to hand out
 gres/gpu and set CUDA_VISIBLE_DEVICES. Facts behind each choice: shared notes, slurm-local.md.
@@ -25,16 +26,17 @@ import yaml
 
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
 GRES_CONF = Path("/etc/slurm/gres.conf")
+SLURMDBD_CONF = Path("/etc/slurm/slurmdbd.conf")
 # Both configs must live in /etc/slurm: the jobstep plugin deletes every SLURM_* variable,
 # SLURM_CONF included, before its inner srun. This marker says a config is ours to rewrite.
 MARKER = "# Test cluster written by tests/slurm_cluster.py: safe to delete."
 STATE = Path("/var/lib/pipeline-test-slurm")
 MUNGE_SOCKET_DIR = Path("/run/munge")
-DAEMONS = ("munged", "slurmctld", "slurmd")
-BINARIES = ("munge", "unmunge", "munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol",
-            "scancel", "sinfo")
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")  # start order
+BINARIES = ("munge", "unmunge", "munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
+            "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "sacctmgr")
 INSTALL_HINT = ("run `bash .ci/install_slurm.sh` as root (CI's .ci/run does) to install slurmctld, slurmd, "
-                "slurm-client and munge")
+                "slurmdbd, slurm-client, munge and mariadb-server")
 
 PARTITION = "pipelinetest"
 ACCOUNT = "pipeline-test"
@@ -42,6 +44,11 @@ NUM_GPUS = 4          # fake: enough for the tests' GPU jobs to all run at once
 NODE_CPUS = 8          # more than the 2 real cores (config_overrides): room for concurrent jobs
 NODE_MEM_MB = 64000    # not enforced (no cgroups); the pipeline's rules ask for 8000 each
 MIN_JOB_AGE_S = 1800   # squeue (and scontrol, which the tests ask) keep finished jobs this long: >= 3x the status-check delay
+SLURMDBD_PORT = 6819   # SLURM's default
+DB_USER, DB_NAME = "slurm", "slurm_acct_db"
+# A cluster-wide count of 1: jobs asking for it (`--licenses=vllm`) run one at a time, queued by
+# SLURM itself, as GPU jobs would on a node with one GPU (the box's 2 cores take one vLLM engine).
+LICENSE = "vllm"
 
 
 def _which(name: str) -> str | None:
@@ -90,6 +97,8 @@ class SlurmCluster:
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     state: Path = STATE
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    db_port: int = 0
+    start_s: float | None = None  # wall time of start(), for the test's timing summary
 
     # --- configuration --------------------------------------------------------------------
 
@@ -119,15 +128,38 @@ class SlurmCluster:
             "SchedulerType=sched/backfill",
             "MpiDefault=none",
             "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
+            # Accounting through slurmdbd: what makes `sacct` (the plugin's default status command) work.
+            "AccountingStorageType=accounting_storage/slurmdbd",
+            "AccountingStorageHost=127.0.0.1",
+            f"AccountingStoragePort={SLURMDBD_PORT}",
             "JobCompType=jobcomp/none",
             "ReturnToService=2",
             f"MinJobAge={MIN_JOB_AGE_S}",
             "GresTypes=gpu",
+            f"Licenses={LICENSE}:1",
             "SlurmdParameters=config_overrides",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEM_MB} "
             f"Gres=gpu:{NUM_GPUS} State=UNKNOWN",
             f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ])
+
+    def slurmdbd_conf(self) -> str:
+        s = self.state
+        return "\n".join([
+            MARKER,
+            "AuthType=auth/munge",
+            f"DbdHost={self.node}",
+            "DbdAddr=127.0.0.1",
+            f"DbdPort={SLURMDBD_PORT}",
+            "SlurmUser=root",
+            f"PidFile={s}/slurmdbd.daemon.pid",
+            f"LogFile={s}/slurmdbd.log",
+            "StorageType=accounting_storage/mysql",
+            "StorageHost=127.0.0.1",
+            f"StoragePort={self.db_port}",
+            f"StorageUser={DB_USER}",
+            f"StorageLoc={DB_NAME}",
             "",
         ])
 
@@ -136,7 +168,7 @@ class SlurmCluster:
         return f"{MARKER}\nAutoDetect=off\nNodeName={self.node} Name=gpu File={files}\n"
 
     def write_config(self) -> None:
-        for path in (SLURM_CONF, GRES_CONF):
+        for path in (SLURM_CONF, GRES_CONF, SLURMDBD_CONF):
             if path.exists() and MARKER not in path.read_text(errors="replace"):
                 pytest.fail(f"{path} exists and was not written by this test: refusing to overwrite a real "
                             f"SLURM configuration. Run this test on a machine without one (CI's is fresh).",
@@ -144,6 +176,10 @@ class SlurmCluster:
         SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
         SLURM_CONF.write_text(self.slurm_conf())
         GRES_CONF.write_text(self.gres_conf())
+        # slurmdbd refuses a config others may read (it could hold the database password).
+        SLURMDBD_CONF.touch(mode=0o600)
+        SLURMDBD_CONF.chmod(0o600)
+        SLURMDBD_CONF.write_text(self.slurmdbd_conf())
 
     def make_fake_gpus(self) -> None:
         # gres/gpu needs File= character devices; clones of /dev/null (major 1, minor 3) do.
@@ -201,6 +237,31 @@ class SlurmCluster:
         wait_until(self.munge_works, 20, "munged to answer",
                    lambda: tail(self.state / "munged.stdout.log") + tail(Path("/var/log/munge/munged.log")))
 
+    def db(self, sql: str) -> subprocess.CompletedProcess:
+        # As root over the private socket (unix_socket authentication: no password anywhere).
+        return run(["mariadb", "--no-defaults", f"--socket={self.state}/mariadb.sock", "-e", sql], timeout=10)
+
+    def start_accounting(self) -> None:
+        """A private MariaDB (fresh data dir, loopback only) and slurmdbd on it, with this test's
+        cluster, account and user registered, as `sacctmgr` would be used on a real cluster."""
+        data = self.state / "mariadb"
+        shutil.rmtree(data, ignore_errors=True)
+        run(["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
+             "--auth-root-authentication-method=socket", "--skip-test-db"], timeout=120)
+        self.spawn("mariadbd", ["mariadbd", "--no-defaults", f"--datadir={data}", f"--socket={self.state}/mariadb.sock",
+                                f"--port={self.db_port}", "--bind-address=127.0.0.1", "--skip-name-resolve",
+                                "--user=root", f"--log-error={self.state}/mariadb.log",
+                                "--innodb-buffer-pool-size=32M"])
+        wait_until(lambda: self.db("SELECT 1").returncode == 0, 30, "mariadbd to answer",
+                   lambda: tail(self.state / "mariadb.log"))
+        self.db(f"CREATE USER '{DB_USER}'@'127.0.0.1'; GRANT ALL ON {DB_NAME}.* TO '{DB_USER}'@'127.0.0.1';")
+        self.spawn("slurmdbd", ["slurmdbd", "-D"])
+        wait_until(lambda: run(["sacctmgr", "-n", "show", "cluster"], timeout=10).returncode == 0, 30,
+                   "slurmdbd to answer `sacctmgr show cluster`", lambda: tail(self.state / "slurmdbd.log"))
+        for entity in (["cluster", "pipelinetest"], ["account", ACCOUNT, "cluster=pipelinetest"],
+                       ["user", "root", f"account={ACCOUNT}", "cluster=pipelinetest"]):
+            run(["sacctmgr", "-i", "add", *entity], timeout=30)
+
     def node_state(self) -> str:
         return run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], timeout=10).stdout.strip()
 
@@ -215,8 +276,10 @@ class SlurmCluster:
         for log in self.state.glob("*.log"):
             log.unlink()
         self.make_fake_gpus()
+        self.db_port = free_port()
         self.write_config()
         self.start_munge()
+        self.start_accounting()
         self.spawn("slurmctld", ["slurmctld", "-D", "-i"])
         wait_until(lambda: "UP" in run(["scontrol", "ping"], timeout=10, check=False).stdout, 30,
                    "slurmctld to answer `scontrol ping`", self.logs)
@@ -233,7 +296,8 @@ class SlurmCluster:
 
     def logs(self) -> str:
         return "\n".join(f"--- {name} ---\n{tail(self.state / name)}"
-                         for name in ("slurmctld.log", "slurmd.log", "slurmctld.stdout.log", "slurmd.stdout.log"))
+                         for name in ("slurmctld.log", "slurmd.log", "slurmdbd.log", "slurmctld.stdout.log",
+                                      "slurmd.stdout.log"))
 
     # --- jobs ---------------------------------------------------------------------------------
 
@@ -257,7 +321,7 @@ class SlurmCluster:
                 self.cancel_all_jobs()
             except Exception as err:  # still stop the daemons
                 errors.append(f"cancelling jobs: {err}")
-        for name in ("slurmd", "slurmctld", "munged"):  # reverse start order
+        for name in reversed(DAEMONS):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 _stop_pid(proc.pid, name, proc)
@@ -265,11 +329,17 @@ class SlurmCluster:
         # Our config must not outlive the cluster: with /etc/slurm/slurm.conf present, the SLURM
         # executor plugin's `scontrol show config` waits ~9 s for the stopped controller at every
         # later `snakemake` start (every dry-run of the tests that follow).
-        for path in (SLURM_CONF, GRES_CONF):
+        for path in (SLURM_CONF, GRES_CONF, SLURMDBD_CONF):
             if path.exists() and MARKER in path.read_text(errors="replace"):
                 path.unlink()
         if errors:
             raise RuntimeError("; ".join(errors))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _stop_pid(pid: int, name: str, proc: subprocess.Popen | None = None, grace: float = 15) -> None:
@@ -298,7 +368,9 @@ def _stop_pid(pid: int, name: str, proc: subprocess.Popen | None = None, grace: 
 def slurm_cluster():
     cluster = SlurmCluster()
     try:
+        started = time.monotonic()
         cluster.start()
+        cluster.start_s = time.monotonic() - started
         yield cluster
     finally:
         cluster.stop()
@@ -307,19 +379,24 @@ def slurm_cluster():
 # --- Snakemake through the profile ----------------------------------------------------------
 
 
-def make_test_profile(source: Path, dest: Path, **overrides) -> Path:
+def make_test_profile(source: Path, dest: Path, one_at_a_time: tuple[str, ...] = (), **overrides) -> Path:
     """A copy of a SLURM profile with this cluster's partition/account and quick status checks.
 
-    Every other key is kept as the user would get it."""
+    Every other key is kept as the user would get it, the status command (`sacct`, which this
+    cluster's slurmdbd answers) included unless `overrides` names another. Jobs of the rules in
+    `one_at_a_time` ask for the cluster's single LICENSE."""
     profile = yaml.safe_load((source / "config.yaml").read_text())
     profile["default-resources"].update({"slurm_partition": PARTITION, "slurm_account": ACCOUNT,
                                          "mem_mb": 1000, "runtime": 10})
     for rule_resources in (profile.get("set-resources") or {}).values():
         if "slurm_partition" in rule_resources:
             rule_resources["slurm_partition"] = PARTITION
+    for rule in one_at_a_time:
+        profile.setdefault("set-resources", {}).setdefault(rule, {})["slurm_extra"] = f"--licenses={LICENSE}"
     profile.update({
-        # No slurmdbd here, so sacct cannot answer (the run would wait forever).
-        "slurm-status-command": "squeue",
+        # The plugin waits this long before its first status check and after every check that
+        # saw a job finish (it adds 10 s after each that saw none); the profile's 20 s is for
+        # a busy controller, this one is idle.
         "slurm-init-seconds-before-status-checks": 1,
         "latency-wait": 5,
         "jobs": 4,
@@ -384,15 +461,6 @@ class BoundedRun:
     @property
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-    @staticmethod
-    def wait_all(runs: list["BoundedRun"]) -> None:
-        """Wait for runs that go on at the same time, noting when each ends."""
-        while not all(run.poll() for run in runs):
-            for run in runs:
-                if not run.poll() and time.monotonic() > run.deadline:
-                    run.wait()  # interrupts it
-            time.sleep(0.2)
 
     def check(self) -> str:
         """The output, after asserting the run finished in time and succeeded."""

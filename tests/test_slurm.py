@@ -1,14 +1,24 @@
 """profiles/slurm against a REAL single-node SLURM cluster (tests/slurm_cluster.py).
 
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
-placeholders and the status-check settings are replaced (no slurmdbd here, so squeue). One
-module fixture runs, at the same time (each mostly waits on SLURM's status polls):
-  - a throwaway workflow whose jobs ask for gpu=1 / gpu=2, run through SLURM;
-  - the whole pipeline (target to verification report) on the tiny reasoning target, with
-    the e2e run's config plus one fake GPU per GPU stage, one job at a time (the box has two
-    real cores; two vLLM engines at once slow each other ~10x).
-Then a preemption: a second draft variant trains for many epochs, its SLURM job is cancelled
-with `scancel` after some epochs, the rerun resumes after the last saved epoch.
+placeholders and the first status-check delay are replaced, and the vLLM stages ask for the
+cluster's one `vllm` license, so SLURM runs them one at a time (the box's 2 cores take one vLLM
+engine; two at once crawl). The cluster has accounting (slurmdbd), so the pipeline's runs use
+the profile's `sacct` status command, the plugin's default; the throwaway workflow and the
+preemption use `squeue`, the profile's documented choice without slurmdbd.
+
+The whole chain goes through SLURM in two halves that run at the same time, next to two more
+runs (each mostly waits on SLURM's status polls and its jobs' start-up):
+  - upstream: target, prompts, eval suite, trace shards (gather), tokenize (`--until`);
+  - downstream: hidden-state shards (gather), training, load check, contract checks,
+    acceptance, report, in a working directory seeded with the e2e run's copies of what the
+    upstream half makes. Both halves' artifacts must equal the e2e run's bytes, so the
+    downstream half's inputs are exactly what the upstream half made through SLURM;
+  - a throwaway workflow whose jobs ask for gpu=1 / gpu=2, run through SLURM (squeue);
+  - a preemption: a second draft variant trains for many epochs in its own working directory
+    seeded with a copy of the e2e run's results (only train_draft runs, through SLURM), its
+    SLURM job is cancelled with `scancel` after some epochs, the rerun resumes after the last
+    saved epoch.
 The local reference is the session's e2e run (conftest.e2e): the same Snakefile and config,
 profiles/default. SLURM is never skipped: without it these tests fail and say to run
 .ci/install_slurm.sh."""
@@ -18,6 +28,7 @@ import copy
 import itertools
 import json
 import re
+import shutil
 import sys
 import textwrap
 import time
@@ -38,13 +49,21 @@ LOCAL_RULES = {"all", "traces_gather", "hidden_states_gather", "compare_variants
 # a CUDA device, and SLURM's fake GPUs are /dev/null clones).
 GPU_RULES = {"traces_shard", "hidden_states_shard", "load_check", "acceptance"}
 GPU_RESOURCES = {"traces": {"gpu": 1}, "hidden_states": {"gpu": 1}, "verify": {"gpu": 1}}
+# The chain's two halves: the rules the upstream run sends to SLURM (up to --until), and the
+# results/<run>/ folders they make, which seed the downstream run.
+UPSTREAM_RULES = {"target", "prompts_train", "prompts_eval", "eval_suite", "traces_shard", "tokenize"}
+UPSTREAM_UNTIL = ["tokenize", "eval_suite", "prompts_eval"]
+UPSTREAM_DIRS = {"target", "prompts", "eval_suites", "traces", "tokenized"}
+ALL_SUBMITTED_RULES = UPSTREAM_RULES | {"hidden_states_shard", "train_draft", "load_check", "contract_checks",
+                                        "acceptance", "report"}
 # Artifacts whose bytes depend only on their inputs: equal in the SLURM run and the local one.
 DETERMINISTIC = ["target/model", "target/manifest.json", "prompts/train.jsonl", "prompts/eval.jsonl",
                  "traces/traces.jsonl", "tokenized/data", "tokenized/token_freq.pt", "tokenized/stats.json",
                  "hidden_states/data", "hidden_states/manifest.json", "drafts/default/final",
                  "drafts/default/untrained"]
-# The preemption: a variant long enough to be cancelled mid-training (an epoch takes ~0.5 s).
-PREEMPT_VARIANT, PREEMPT_EPOCHS, CANCEL_AFTER_EPOCH = "preempt", 40, 2
+# The preemption: a variant long enough to be cancelled mid-training (an epoch takes ~0.5 s
+# alone on the box, ~1 s next to the pipeline's jobs).
+PREEMPT_VARIANT, PREEMPT_EPOCHS, CANCEL_AFTER_EPOCH = "preempt", 16, 2
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 
 
@@ -101,10 +120,13 @@ GPU_SNAKEFILE = textwrap.dedent("""
 class Runs:
     gpu_dir: Path
     gpu: BoundedRun
+    upstream: BoundedRun
+    upstream_results: Path
     slurm_dir: Path
-    pipeline: BoundedRun
+    pipeline: BoundedRun      # the downstream half
     results: Path
     local_results: Path
+    preempt_results: Path
     preempted: BoundedRun
     resumed: BoundedRun
     cancelled_job: str
@@ -115,44 +137,60 @@ def snakemake_command(snakefile: Path, workdir: Path, *args: str) -> list[str]:
     return [PY, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
 
 
-def wait_for(predicate, timeout: float, what: str, run: BoundedRun):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if run.poll():
-            raise AssertionError(f"{what}: the run ended first ({run.returncode}):\n{run.output[-6000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}:\n{run.output[-6000:]}")
+class Preemption:
+    """Train a long variant through SLURM, scancel its job once CANCEL_AFTER_EPOCH is saved,
+    then rerun the same command. Runs beside the pipeline: `poll()` advances it a step."""
 
+    def __init__(self, workdir: Path, profile: Path, config: dict, root: Path, seed_from: Path):
+        cfg = copy.deepcopy(config)
+        cfg["variants"][PREEMPT_VARIANT] = {"epochs": PREEMPT_EPOCHS}
+        # Its training inputs (target, hidden states) and everything upstream: copies of the
+        # e2e run's, mtimes kept, so Snakemake finds them up to date and runs train_draft only.
+        shutil.copytree(seed_from, workdir / "results" / cfg["run_name"], copy_function=shutil.copy2,
+                        ignore=shutil.ignore_patterns("drafts"))
+        configfile = write_config(workdir, cfg)
+        self.results = workdir / "results" / cfg["run_name"]
+        self.checkpoints = self.results / "drafts" / PREEMPT_VARIANT / "checkpoints"
+        self.cmd = snakemake_command(REPO / "Snakefile", workdir, "--configfile", str(configfile),
+                                     "--workflow-profile", str(profile),
+                                     f"results/{cfg['run_name']}/drafts/{PREEMPT_VARIANT}/final")
+        self.root = root
+        self.first = BoundedRun(self.cmd, root / "preempt-1.log", RUN_TIMEOUT_S)
+        self.second: BoundedRun | None = None
+        self.job: str | None = None     # the cancelled SLURM job
+        self.saved: int | None = None   # the last complete epoch when it was cancelled
+        self.cancel_by = time.monotonic() + 420
 
-def preempt_training(runs_dir: Path, profile: Path, config: dict, root: Path) -> tuple[BoundedRun, BoundedRun, str, int]:
-    """Start training a long variant through SLURM, scancel its job once CANCEL_AFTER_EPOCH
-    is saved, then rerun the same command: (cancelled run, rerun, SLURM job id, last epoch
-    saved before the cancel)."""
-    cfg = copy.deepcopy(config)
-    cfg["variants"][PREEMPT_VARIANT] = {"epochs": PREEMPT_EPOCHS}
-    configfile = write_config(root / "preempt", cfg)
-    target = f"results/{cfg['run_name']}/drafts/{PREEMPT_VARIANT}/final"
-    cmd = snakemake_command(REPO / "Snakefile", runs_dir, "--configfile", str(configfile),
-                            "--workflow-profile", str(profile), target)
-    first = BoundedRun(cmd, root / "preempt-1.log", RUN_TIMEOUT_S)
-    try:
-        job = wait_for(lambda: next((sid for _, sid, log in SUBMITTED.findall(first.output)
-                                     if "rule_train_draft" in log), None), 120, "the train_draft submission", first)
-        ckpt = runs_dir / "results" / cfg["run_name"] / "drafts" / PREEMPT_VARIANT / "checkpoints"
-        # An epoch is complete once saved AND validated (train_draft.py's rule: speculators saves
-        # before it validates), so wait for its validation row in the metrics log.
-        wait_for(lambda: CANCEL_AFTER_EPOCH in complete_epochs(ckpt), 300,
-                 f"epoch {CANCEL_AFTER_EPOCH} of the preempt variant", first)
-        run(["scancel", job])
-        saved = max(complete_epochs(ckpt))
-        first.wait()
-    finally:
-        first.interrupt()
-    second = BoundedRun(cmd, root / "preempt-2.log", RUN_TIMEOUT_S).wait()
-    return first, second, job, saved
+    def poll(self) -> bool:
+        """True once the rerun has finished; raises if a step never happened."""
+        if self.job is None:
+            self.job = next((sid for _, sid, log in SUBMITTED.findall(self.first.output)
+                             if "rule_train_draft" in log), None)
+        if self.saved is None:
+            # An epoch is complete once saved AND validated (train_draft.py's rule: speculators
+            # saves before it validates), so wait for its validation row in the metrics log.
+            if self.job is not None and CANCEL_AFTER_EPOCH in complete_epochs(self.checkpoints):
+                run(["scancel", self.job])
+                self.saved = max(complete_epochs(self.checkpoints))
+            elif self.first.poll() or time.monotonic() > self.cancel_by:
+                self.first.interrupt()
+                raise AssertionError(f"no scancel: job {self.job} did not reach epoch {CANCEL_AFTER_EPOCH} before "
+                                     f"the run ended or 420 s passed:\n{self.first.output[-6000:]}")
+            return False
+        if not self.first.poll():
+            if time.monotonic() > self.first.deadline:
+                self.first.wait()  # interrupts it
+            return False
+        if self.second is None:
+            self.second = BoundedRun(self.cmd, self.root / "preempt-2.log", RUN_TIMEOUT_S)
+        if not self.second.poll() and time.monotonic() > self.second.deadline:
+            self.second.wait()
+        return self.second.poll()
+
+    def interrupt(self) -> None:
+        for r in (self.first, self.second):
+            if r is not None:
+                r.interrupt()
 
 
 def complete_epochs(ckpt: Path) -> set[int]:
@@ -172,9 +210,13 @@ def complete_epochs(ckpt: Path) -> set[int]:
 @pytest.fixture(scope="module")
 def runs(slurm_cluster, e2e, tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-runs")
-    gpu_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-gpu")
-    # One pipeline job at a time: two CPU-bound jobs on the 2 real cores would crawl.
-    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", jobs=1)
+    # squeue: the documented choice without slurmdbd, kept covered by the throwaway workflow,
+    # and needed by the preemption: sacct calls a cancelled job "CANCELLED by <uid>", which
+    # the plugin (2.8.0) does not count as failed, so that run would wait forever.
+    squeue_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-squeue",
+                                       **{"slurm-status-command": "squeue"})
+    # The status command stays the shipped sacct; vLLM jobs queue for the one license.
+    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", one_at_a_time=tuple(GPU_RULES))
 
     gpu_dir = root / "gpu-wf"
     gpu_dir.mkdir()
@@ -183,36 +225,66 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
                                                             recorder=str(gpu_dir / "recorder.py")))
     config = copy.deepcopy(e2e.config)
     config["resources"] = GPU_RESOURCES
+    upstream_dir = root / "pipeline-upstream"
+    upstream_cfg = write_config(upstream_dir, config)
     slurm_dir = root / "pipeline-slurm"
     slurm_cfg = write_config(slurm_dir, config)
+    # Copies keep their mtimes, so Snakemake finds them up to date and runs the rest.
+    for sub in UPSTREAM_DIRS:
+        shutil.copytree(e2e.results / sub, slurm_dir / "results" / config["run_name"] / sub,
+                        copy_function=shutil.copy2)
 
+    started_at = time.monotonic()
     started = [
-        gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(gpu_profile)),
+        # --verbose: the plugin then logs which command each status check used.
+        gpu := BoundedRun(snakemake_command(gpu_dir / "Snakefile", gpu_dir, "--workflow-profile", str(squeue_profile),
+                                            "--verbose"),
                           root / "gpu-wf.log", RUN_TIMEOUT_S),
+        upstream := BoundedRun(snakemake_command(REPO / "Snakefile", upstream_dir, "--configfile", str(upstream_cfg),
+                                                 "--workflow-profile", str(profile), "--verbose",
+                                                 "--until", *UPSTREAM_UNTIL),
+                               root / "pipeline-upstream.log", RUN_TIMEOUT_S),
         pipeline := BoundedRun(snakemake_command(REPO / "Snakefile", slurm_dir, "--configfile", str(slurm_cfg),
-                                                 "--workflow-profile", str(profile)),
+                                                 "--workflow-profile", str(profile), "--verbose"),
                                root / "pipeline-slurm.log", RUN_TIMEOUT_S),
     ]
+    preemption = None
     try:
-        BoundedRun.wait_all(started)
+        preemption = Preemption(root / "preempt-slurm", squeue_profile, config, root, e2e.results)
+        # Both evaluated every round: the preemption advances while the runs go on.
+        while not all([preemption.poll(), *[r.poll() for r in started]]):
+            for r in started:
+                if not r.poll() and time.monotonic() > r.deadline:
+                    r.wait()  # interrupts it
+            time.sleep(0.1)
+        upstream.check()
         pipeline.check()
-        preempted, resumed, job, saved = preempt_training(slurm_dir, profile, config, root)
-        yield Runs(gpu_dir, gpu, slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
-                   preempted, resumed, job, saved)
+        yield Runs(gpu_dir, gpu, upstream, upstream_dir / "results" / config["run_name"],
+                   slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
+                   preemption.results, preemption.first, preemption.second, preemption.job, preemption.saved)
     finally:
-        for r in started:  # when the wait above was cut short (e.g. Ctrl-C): nothing keeps running
+        for r in started:  # when a wait was cut short: nothing keeps running
             r.interrupt()
-        print(f"\nSLURM test wall times: GPU workflow {gpu.wall_s:.1f} s, pipeline via SLURM {pipeline.wall_s:.1f} s "
-              f"(alongside)", file=sys.stderr)
+        if preemption is not None:
+            preemption.interrupt()
+        walls = {"cluster start": slurm_cluster.start_s, "GPU workflow": gpu.wall_s, "upstream": upstream.wall_s,
+                 "downstream": pipeline.wall_s,
+                 "preempted run": preemption and preemption.first.wall_s,
+                 "resumed run": preemption and preemption.second and preemption.second.wall_s,
+                 "all side by side": time.monotonic() - started_at}
+        (root / "timings.json").write_text(json.dumps(walls, indent=1))
+        print("\nSLURM test wall times (s): " + ", ".join(f"{k} {v:.1f}" if v is not None else f"{k} -"
+                                                          for k, v in walls.items()), file=sys.stderr)
 
 
 def test_every_job_goes_through_sbatch_and_its_slurm_log_is_kept(runs):
-    remote, _ = rules_run(runs.pipeline.check())
-    # The whole chain, every stage: nothing but the localrules ran outside SLURM.
-    assert set(remote) == {"target", "prompts_train", "prompts_eval", "eval_suite", "traces_shard", "tokenize",
-                           "hidden_states_shard", "train_draft", "load_check", "contract_checks", "acceptance",
-                           "report"}, remote
-    for run_, expected_remote in ((runs.gpu, 3), (runs.pipeline, None), (runs.resumed, 1)):
+    upstream, _ = rules_run(runs.upstream.check())
+    downstream, _ = rules_run(runs.pipeline.check())
+    # The whole chain, every stage, each in one of the halves (the downstream one redid none of
+    # the upstream's): nothing but the localrules ran outside SLURM.
+    assert set(upstream) == UPSTREAM_RULES, upstream
+    assert set(downstream) == ALL_SUBMITTED_RULES - UPSTREAM_RULES, downstream
+    for run_, expected_remote in ((runs.gpu, 3), (runs.upstream, None), (runs.pipeline, None), (runs.resumed, 1)):
         log = run_.check()
         remote, local = rules_run(log)
         submitted = submitted_jobs(log)
@@ -265,14 +337,16 @@ def slurm_job_rules(log: str) -> dict[str, str]:
 
 
 def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
-    jobs = slurm_job_rules(runs.pipeline.check())
-    rule_logs = "\n".join(p.read_text(errors="replace") for p in (runs.results / "logs").rglob("*.log"))
+    jobs = slurm_job_rules(runs.upstream.check()) | slurm_job_rules(runs.pipeline.check())
+    rule_logs = "\n".join(p.read_text(errors="replace") for results in (runs.upstream_results, runs.results)
+                          for p in (results / "logs").rglob("*.log"))
     gpu_jobs = 0
     for sid, rule in jobs.items():
         shown = run(["scontrol", "-d", "show", "job", sid]).stdout
         if rule in GPU_RULES:
             gpu_jobs += 1
             assert "TresPerJob=gres:gpu:1" in shown, f"{rule} (job {sid}) was not submitted with --gpus=1:\n{shown}"
+            assert "Licenses=vllm" in shown, f"{rule} (job {sid}) did not queue for the vLLM license:\n{shown}"
             # The job's GPU wrapper saw the device SLURM allocated (not a local lock's choice).
             assert re.search(rf"SLURM job {sid} gave CUDA_VISIBLE_DEVICES=[0-{NUM_GPUS - 1}] \(1 GPU", rule_logs), \
                 f"{rule} (job {sid}): no gres reached the job"
@@ -282,15 +356,18 @@ def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
 
 
 def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
-    submitted = slurm_job_rules(runs.pipeline.check()) | slurm_job_rules(runs.resumed.check())
     # provenance.json records SLURM_JOB_ID (pipeline_lib.provenance.ENV_ALLOW_LIST): every
-    # artifact of a submitted rule names one of the submitted jobs; localrules' name none.
-    provenance = sorted(runs.results.rglob("*provenance.json"))
-    rules = sorted(json.loads(p.read_text())["rule"] for p in provenance)
+    # artifact of a submitted rule names one of the jobs its run submitted; localrules' name
+    # none. (The downstream half's seeded copies are the e2e run's; the preempted variant's
+    # record is checked by the preemption test.)
+    made = [(path, slurm_job_rules(runs.upstream.check())) for path in runs.upstream_results.rglob("*provenance.json")]
+    made += [(path, slurm_job_rules(runs.pipeline.check())) for path in runs.results.rglob("*provenance.json")
+             if path.relative_to(runs.results).parts[0] not in UPSTREAM_DIRS]
+    rules = sorted(json.loads(path.read_text())["rule"] for path, _ in made)
     assert rules == sorted(["target", "prompts_train", "prompts_eval", "eval_suite", "traces_gather", "tokenize",
-                            "hidden_states_gather", "train_draft", "train_draft", "contract_checks", "acceptance",
+                            "hidden_states_gather", "train_draft", "contract_checks", "acceptance",
                             "report"]), rules
-    for path in provenance:
+    for path, submitted in made:
         record = json.loads(path.read_text())
         job = record.get("env", {}).get("SLURM_JOB_ID")
         if record["rule"] in LOCAL_RULES:
@@ -303,8 +380,9 @@ def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
 
 def test_the_chain_through_slurm_matches_the_local_run(runs):
     for rel in DETERMINISTIC:
-        assert path_digest(runs.results / rel) == path_digest(runs.local_results / rel), \
-            f"{rel} differs between the SLURM run and the local run"
+        made_by = runs.upstream_results if rel.split("/")[0] in UPSTREAM_DIRS else runs.results
+        assert path_digest(made_by / rel) == path_digest(runs.local_results / rel), \
+            f"{rel} differs between the SLURM run ({made_by}) and the local run"
     # Acceptance and the verdict too (vLLM greedy in fp32); only timings may differ.
     ours, theirs = (json.loads((r / "drafts/default/report/verification.json").read_text())
                     for r in (runs.results, runs.local_results))
@@ -322,17 +400,19 @@ def test_a_cancelled_training_job_resumes_when_rerun(runs):
     first_jobs = slurm_job_rules(runs.preempted.output)
     assert first_jobs.get(runs.cancelled_job) == "train_draft"
     assert f"{runs.cancelled_job}" in runs.preempted.output and "train_draft" in runs.preempted.output
+    # Seeded with the e2e run's upstream: nothing but this training went to SLURM.
+    assert list(first_jobs.values()) == ["train_draft"], first_jobs
     runs.resumed.check()
     [resumed_job] = slurm_job_rules(runs.resumed.output)
     assert resumed_job != runs.cancelled_job
-    variant = runs.results / "drafts" / PREEMPT_VARIANT
+    variant = runs.preempt_results / "drafts" / PREEMPT_VARIANT
     prov = json.loads((variant / "provenance.json").read_text())
     resumed_after = prov["resumed_after_epoch"]
     # Cancelled once epoch CANCEL_AFTER_EPOCH was saved (a later one may have been saved while
     # the signal was on its way), well before the last epoch.
     assert runs.cancelled_after_epoch <= resumed_after < PREEMPT_EPOCHS - 1
     assert prov["env"]["SLURM_JOB_ID"] == resumed_job
-    log = (runs.results / "logs/train" / f"{PREEMPT_VARIANT}.log").read_text()
+    log = (runs.preempt_results / "logs/train" / f"{PREEMPT_VARIANT}.log").read_text()
     assert f"resuming after epoch {resumed_after}" in log
     assert f"Training epoch {resumed_after + 1}/{PREEMPT_EPOCHS} started" not in log  # not trained again
     # Epochs up to the resume point were trained (and logged) by the cancelled job only, the
@@ -345,3 +425,32 @@ def test_a_cancelled_training_job_resumes_when_rerun(runs):
     assert all(r["run_started"] == (first if r["epoch"] <= resumed_after else second) for r in rows)
     assert {(e, s) for e in range(resumed_after + 1, PREEMPT_EPOCHS) for s in ("train", "val")} <= set(keys)
     assert (variant / "final/config.json").exists()
+
+
+STATUS_CYCLE = re.compile(r"Status query timing \(cycle\): command=(\w+),")
+
+
+def sacct_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """{job id: (job name, state)} as SLURM's accounting (sacct, through slurmdbd) has them."""
+    out = run(["sacct", "-X", "--parsable2", "--noheader", "--format=JobIdRaw,JobName,State",
+               "-j", ",".join(job_ids)]).stdout
+    return {jid: (name, state) for jid, name, state in (line.split("|") for line in out.splitlines())}
+
+
+def test_the_pipeline_polled_sacct_and_accounting_has_every_job(runs):
+    """The shipped profile's status command, sacct, is what the pipeline run polled with, and
+    slurmdbd's records (what sacct answered) show each of its jobs COMPLETED, all under the
+    one job name the plugin gives a run and filters its sacct query on."""
+    names = set()
+    for half in (runs.upstream, runs.pipeline):
+        log = half.check()
+        assert set(STATUS_CYCLE.findall(log)) == {"sacct"}, "the pipeline's status checks did not all use sacct"
+        jobs = submitted_jobs(log)
+        states = sacct_states(list(jobs))
+        assert sorted(states) == sorted(jobs), f"sacct knows {sorted(states)} of the submitted jobs {sorted(jobs)}"
+        assert {state for _, state in states.values()} == {"COMPLETED"}, states
+        [name] = {name for name, _ in states.values()}
+        names.add(name)
+    assert len(names) == 2, names  # one per run: the plugin's sacct query tells the runs apart
+    # The squeue path (no slurmdbd) stays covered: the throwaway workflow's checks used squeue.
+    assert set(STATUS_CYCLE.findall(runs.gpu.check())) == {"squeue"}
