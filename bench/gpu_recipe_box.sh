@@ -36,8 +36,9 @@ s=\$SECONDS; python bench/acceptance_speed.py --run $R --num-prompts 112 --dtype
 echo "acceptance_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
   --out /tmp/res/traces_speed.json > /tmp/res/traces_speed.log 2>&1; echo "traces_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
-s=\$SECONDS; RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \
-  $R/drafts/vocab-32k/verify/acceptance.json $R/drafts/lr-3e-4/verify/acceptance.json > /tmp/res/variants.log 2>&1
+s=\$SECONDS; V=results/smollm2-135m-gpu-recipe/drafts  # targets are relative to the recipe's workdir
+RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \$V/vocab-32k/verify/acceptance.json \
+  \$V/lr-3e-4/verify/acceptance.json > /tmp/res/variants.log 2>&1
 echo "variants rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 touch /tmp/res/DONE
 STEPS
