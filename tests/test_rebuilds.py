@@ -8,7 +8,8 @@ The complete run uses the transformers backends for generation, hidden states an
 workflow, so the code-change cases can edit scripts without touching the repository. Every
 case works on its own copy of the finished working directory, at another path than the
 original: a moved results/ (with Snakemake's .snakemake/ records) is the common ground of all
-of them.
+of them. The dry-run-only cases are planned together, one after the other in one Snakemake
+process (conftest.plan_together); the cases that run build only what they compare.
 
 Relocation: a second checkout of the workflow (and a venv reached through another path) with
 the same results/ plans nothing; an edited script in that checkout reruns exactly its rule and
