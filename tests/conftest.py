@@ -145,10 +145,12 @@ def run_snakemake(workdir: Path, config: dict | Path, *args: str, check: bool = 
 
 
 def plan_together(workdir: Path, configs: dict[str, tuple[dict, tuple[str, ...]]], configdir: Path,
-                  snakefile: Path | None = None, timeout: float = 900) -> dict[str, str]:
+                  snakefile: Path | None = None, check: bool = True,
+                  timeout: float = 900) -> dict[str, subprocess.CompletedProcess]:
     """Dry-runs (-n) of many configs on one working dir, one after the other in one Snakemake
-    process (tests/dry_runs.py): {name: the run's output}, as run_snakemake(..., "-n") gives
-    it. Each config is written to configdir/<n>.yaml, outside the working dir."""
+    process (tests/dry_runs.py): {name: the run as run_snakemake(..., "-n") returns it, with
+    stdout and stderr together in stdout}. Each config is written to configdir/<n>.yaml,
+    outside the working dir."""
     configdir.mkdir(parents=True, exist_ok=True)
     requests = []
     for i, (config, args) in enumerate(configs.values()):
@@ -161,10 +163,10 @@ def plan_together(workdir: Path, configs: dict[str, tuple[dict, tuple[str, ...]]
     results = json.loads((configdir / "results.json").read_text())
     out = {}
     for name, args, result in zip(configs, requests, results):
-        if result["returncode"] != 0:
-            raise AssertionError(f"snakemake {' '.join(args)} failed ({result['returncode']}):\n"
-                                 f"{result['output'][-10000:]}")
-        out[name] = result["output"]
+        proc = subprocess.CompletedProcess(args, result["returncode"], result["output"], "")
+        if check and proc.returncode != 0:
+            raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-10000:]}")
+        out[name] = proc
     return out
 
 

@@ -162,6 +162,12 @@ def planned(out: str) -> set:
     return {j for j in planned_job_set(out) if j[0] != "all"}
 
 
+def planned_ok(proc: subprocess.CompletedProcess) -> set:
+    """The jobs of one of plan_together's dry-runs, which must have succeeded."""
+    assert proc.returncode == 0, f"snakemake {' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-10000:]}"
+    return planned(proc.stdout)
+
+
 def plan(work: Path, cfg: dict, repo: Path, *args: str) -> set:
     """The jobs a dry-run plans, in a Snakemake process of its own."""
     proc = run_snakemake(work, cfg, "-n", *args, snakefile=repo / "Snakefile")
@@ -280,10 +286,11 @@ def tok_and_gen_variants(cfg: dict) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def plans(built, moved, tmp_path_factory) -> dict[str, set]:
+def plans(built, moved, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The dry-run-only cases' plans on the moved copy, made together in one Snakemake process
-    (conftest.plan_together): {case: planned jobs}. The unchanged config is planned last as
-    well: what the earlier plans left in that process must not change a plan."""
+    (conftest.plan_together): {case: its dry-run}; a case whose dry-run fails fails alone. The
+    unchanged config is planned last as well: what the earlier plans left in that process must
+    not change a plan."""
     repo, _, cfg = built
     tok, both = tok_and_gen_variants(cfg)
     configs = {**{f"case:{case}": (edited(cfg, change), ()) for case, (change, _) in CASES.items()},
@@ -291,22 +298,21 @@ def plans(built, moved, tmp_path_factory) -> dict[str, set]:
                **{f"upstream:{section}": (upstream_variant_config(cfg, section), ()) for section in UPSTREAM_VARIANTS},
                "adding:tok": (tok, ()), "adding:both": (both, ()),
                "unchanged, planned last": (cfg, ())}
-    outputs = plan_together(moved, configs, tmp_path_factory.mktemp("plans"), snakefile=repo / "Snakefile")
-    return {name: planned(out) for name, out in outputs.items()}
+    return plan_together(moved, configs, tmp_path_factory.mktemp("plans"), snakefile=repo / "Snakefile", check=False)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_change_plans_exactly_the_affected_jobs(plans, case):
-    assert plans[f"case:{case}"] == CASES[case][1]
+    assert planned_ok(plans[f"case:{case}"]) == CASES[case][1]
 
 
 def test_concurrency_and_resource_flags_plan_nothing(plans):
-    assert plans["flags"] == set()
+    assert planned_ok(plans["flags"]) == set()
 
 
 def test_plans_made_together_leave_nothing_behind(plans):
     """After every case's plan in the same process, the unchanged config still plans nothing."""
-    assert plans["unchanged, planned last"] == set()
+    assert planned_ok(plans["unchanged, planned last"]) == set()
 
 
 UPSTREAM_VARIANTS = {
@@ -337,7 +343,7 @@ def test_upstream_variant_plans_its_own_stage_instances_only(built, plans, secti
     dirs = instance_dirs(cfg, "v2")
     for stage, directory in dirs.items():  # own instances get <stage>-<digest>, shared ones the base's
         assert re.fullmatch(rf"{stage}-[0-9a-f]{{10}}", directory) if stage in own else directory == stage, dirs
-    assert plans[f"upstream:{section}"] == variant_jobs(cfg, "v2", own)
+    assert planned_ok(plans[f"upstream:{section}"]) == variant_jobs(cfg, "v2", own)
 
 
 def test_adding_a_variant_renames_nothing(built, plans):
@@ -346,8 +352,8 @@ def test_adding_a_variant_renames_nothing(built, plans):
     variant: see the end of test_generation_variant_runs_and_shares_what_is_equal.)"""
     tok, both = tok_and_gen_variants(built[2])
     tok_jobs = variant_jobs(tok, "tok", ("tokenized", "hidden_states"))
-    assert plans["adding:tok"] == tok_jobs
-    assert plans["adding:both"] == tok_jobs | variant_jobs(both, "gen", ("traces", "tokenized", "hidden_states"))
+    assert planned_ok(plans["adding:tok"]) == tok_jobs
+    assert planned_ok(plans["adding:both"]) == tok_jobs | variant_jobs(both, "gen", ("traces", "tokenized", "hidden_states"))
 
 
 def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
@@ -389,7 +395,7 @@ def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
     # nothing is renamed. (Planned together: one Snakemake process.)
     warm = edited(cfg, lambda c: c["generation"].update(temperature=0.7))
     assert instance_dirs(warm, "short")["traces"] != dirs["traces"]
-    plans = {name: planned(out) for name, out in plan_together(work, {
+    plans = {name: planned(proc.stdout) for name, proc in plan_together(work, {
         "unchanged": (cfg, ()), "lr": (edited(cfg, lambda c: c["train"].update(lr=0.01)), ()), "warm": (warm, ()),
         "max_tokens": (edited(cfg, lambda c: c["generation"].update(max_tokens=20)), ()),
         "removed": (edited(cfg, lambda c: c["variants"].pop("short")), ()),
