@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -126,17 +127,47 @@ def write_config(workdir: Path, config: dict) -> Path:
     return path
 
 
+def snakemake_args(workdir: Path, configfile: Path, *args: str, snakefile: Path | None = None) -> list[str]:
+    return ["-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile),
+            "--cores", "2", *args]
+
+
 def run_snakemake(workdir: Path, config: dict | Path, *args: str, check: bool = True,
                   timeout: float = 1800, snakefile: Path | None = None) -> subprocess.CompletedProcess:
     """Run the real Snakemake CLI on this repo's Snakefile (or a copy) in `workdir`."""
     configfile = config if isinstance(config, Path) else write_config(workdir, config)
-    cmd = [PY, "-m", "snakemake", "-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir),
-           "--configfile", str(configfile), "--cores", "2", *args]
+    cmd = [PY, "-m", "snakemake", *snakemake_args(workdir, configfile, *args, snakefile=snakefile)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}")
     return proc
+
+
+def plan_together(workdir: Path, configs: dict[str, tuple[dict, tuple[str, ...]]], configdir: Path,
+                  snakefile: Path | None = None, check: bool = True,
+                  timeout: float = 900) -> dict[str, subprocess.CompletedProcess]:
+    """Dry-runs (-n) of many configs on one working dir, one after the other in one Snakemake
+    process (tests/dry_runs.py): {name: the run as run_snakemake(..., "-n") returns it, with
+    stdout and stderr together in stdout}. Each config is written to configdir/<n>.yaml,
+    outside the working dir."""
+    configdir.mkdir(parents=True, exist_ok=True)
+    requests = []
+    for i, (config, args) in enumerate(configs.values()):
+        path = configdir / f"{i}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        requests.append(snakemake_args(workdir, path, "-n", *args, snakefile=snakefile))
+    (configdir / "requests.json").write_text(json.dumps(requests))
+    subprocess.run([PY, str(REPO / "tests" / "dry_runs.py"), str(configdir / "requests.json"),
+                    str(configdir / "results.json")], check=True, timeout=timeout)
+    results = json.loads((configdir / "results.json").read_text())
+    out = {}
+    for name, args, result in zip(configs, requests, results):
+        proc = subprocess.CompletedProcess(args, result["returncode"], result["output"], "")
+        if check and proc.returncode != 0:
+            raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-10000:]}")
+        out[name] = proc
+    return out
 
 
 def run_script(name: str, *args: str, check: bool = True, timeout: float = 900,

@@ -8,7 +8,8 @@ The complete run uses the transformers backends for generation, hidden states an
 workflow, so the code-change cases can edit scripts without touching the repository. Every
 case works on its own copy of the finished working directory, at another path than the
 original: a moved results/ (with Snakemake's .snakemake/ records) is the common ground of all
-of them.
+of them. The dry-run-only cases are planned together, one after the other in one Snakemake
+process (conftest.plan_together); the cases that run build only what they compare.
 
 Relocation: a second checkout of the workflow (and a venv reached through another path) with
 the same results/ plans nothing; an edited script in that checkout reruns exactly its rule and
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, REPO, run_snakemake, with_defaults, write_config
+from conftest import PY, REPO, plan_together, run_snakemake, with_defaults, write_config
 from pipeline_lib import stages
 from pipeline_lib.digests import path_digest
 from test_workflow import planned_job_set
@@ -154,13 +155,23 @@ def clone(work: Path, dest: Path) -> Path:
     return dest
 
 
-def plan(work: Path, cfg: dict, repo: Path, *args: str) -> set:
-    """The jobs a dry-run plans, as {(rule, wildcards)}; 'all' left out."""
-    proc = run_snakemake(work, cfg, "-n", *args, snakefile=repo / "Snakefile")
-    out = proc.stdout + proc.stderr
+def planned(out: str) -> set:
+    """The jobs a dry-run's output lists, as {(rule, wildcards)}; 'all' left out."""
     if "Nothing to be done" in out:
         return set()
     return {j for j in planned_job_set(out) if j[0] != "all"}
+
+
+def planned_ok(proc: subprocess.CompletedProcess) -> set:
+    """The jobs of one of plan_together's dry-runs, which must have succeeded."""
+    assert proc.returncode == 0, f"snakemake {' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-10000:]}"
+    return planned(proc.stdout)
+
+
+def plan(work: Path, cfg: dict, repo: Path, *args: str) -> set:
+    """The jobs a dry-run plans, in a Snakemake process of its own."""
+    proc = run_snakemake(work, cfg, "-n", *args, snakefile=repo / "Snakefile")
+    return planned(proc.stdout + proc.stderr)
 
 
 def edited(cfg: dict, change) -> dict:
@@ -262,19 +273,46 @@ CASES = {
 }
 
 
+FLAGS = ("--jobs", "1", "--resources", "gpu=8", "mem_mb=1000000", "--set-threads", "train_draft=1")
+
+
+def upstream_variant_config(cfg: dict, section: str) -> dict:
+    return edited(cfg, lambda c: c["variants"].update({"v2": {section: UPSTREAM_VARIANTS[section][0]}}))
+
+
+def tok_and_gen_variants(cfg: dict) -> tuple[dict, dict]:
+    tok = edited(cfg, lambda c: c["variants"].update({"tok": {"tokenize": {"max_seq_len": 96}}}))
+    return tok, edited(tok, lambda c: c["variants"].update({"gen": {"generation": {"max_tokens": 12}}}))
+
+
+@pytest.fixture(scope="module")
+def plans(built, moved, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The dry-run-only cases' plans on the moved copy, made together in one Snakemake process
+    (conftest.plan_together): {case: its dry-run}; a case whose dry-run fails fails alone. The
+    unchanged config is planned last as well: what the earlier plans left in that process must
+    not change a plan."""
+    repo, _, cfg = built
+    tok, both = tok_and_gen_variants(cfg)
+    configs = {**{f"case:{case}": (edited(cfg, change), ()) for case, (change, _) in CASES.items()},
+               "flags": (cfg, FLAGS),
+               **{f"upstream:{section}": (upstream_variant_config(cfg, section), ()) for section in UPSTREAM_VARIANTS},
+               "adding:tok": (tok, ()), "adding:both": (both, ()),
+               "unchanged, planned last": (cfg, ())}
+    return plan_together(moved, configs, tmp_path_factory.mktemp("plans"), snakefile=repo / "Snakefile", check=False)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_change_plans_exactly_the_affected_jobs(built, moved, tmp_path, case):
-    repo, _, cfg = built
-    work = moved
-    change, expected = CASES[case]
-    assert plan(work, edited(cfg, change), repo) == expected
+def test_change_plans_exactly_the_affected_jobs(plans, case):
+    assert planned_ok(plans[f"case:{case}"]) == CASES[case][1]
 
 
-def test_concurrency_and_resource_flags_plan_nothing(built, moved, tmp_path):
-    repo, _, cfg = built
-    work = moved
-    assert plan(work, cfg, repo, "--jobs", "1", "--resources", "gpu=8", "mem_mb=1000000",
-                "--set-threads", "train_draft=1") == set()
+def test_concurrency_and_resource_flags_plan_nothing(plans):
+    assert planned_ok(plans["flags"]) == set()
+
+
+def test_plans_made_together_leave_nothing_behind(plans):
+    """After every case's plan in the same process, the unchanged config still plans nothing."""
+    assert planned_ok(plans["unchanged, planned last"]) == set()
 
 
 UPSTREAM_VARIANTS = {
@@ -299,28 +337,23 @@ def variant_jobs(cfg: dict, variant: str, own: tuple[str, ...]) -> set:
 
 
 @pytest.mark.parametrize("section", sorted(UPSTREAM_VARIANTS))
-def test_upstream_variant_plans_its_own_stage_instances_only(built, moved, tmp_path, section):
-    repo, _, cfg = built
-    work = moved
-    change, own = UPSTREAM_VARIANTS[section]
-    cfg = edited(cfg, lambda c: c["variants"].update({"v2": {section: change}}))
+def test_upstream_variant_plans_its_own_stage_instances_only(built, plans, section):
+    own = UPSTREAM_VARIANTS[section][1]
+    cfg = upstream_variant_config(built[2], section)
     dirs = instance_dirs(cfg, "v2")
     for stage, directory in dirs.items():  # own instances get <stage>-<digest>, shared ones the base's
         assert re.fullmatch(rf"{stage}-[0-9a-f]{{10}}", directory) if stage in own else directory == stage, dirs
-    assert plan(work, cfg, repo) == variant_jobs(cfg, "v2", own)
+    assert planned_ok(plans[f"upstream:{section}"]) == variant_jobs(cfg, "v2", own)
 
 
-def test_adding_a_variant_renames_nothing(built, moved, tmp_path):
+def test_adding_a_variant_renames_nothing(built, plans):
     """Instance names depend on their own settings only: with a generation variant added next
     to a tokenize variant, the tokenize variant's jobs keep their wildcards. (Removing a
     variant: see the end of test_generation_variant_runs_and_shares_what_is_equal.)"""
-    repo, _, cfg = built
-    work = moved
-    tok = edited(cfg, lambda c: c["variants"].update({"tok": {"tokenize": {"max_seq_len": 96}}}))
-    both = edited(tok, lambda c: c["variants"].update({"gen": {"generation": {"max_tokens": 12}}}))
+    tok, both = tok_and_gen_variants(built[2])
     tok_jobs = variant_jobs(tok, "tok", ("tokenized", "hidden_states"))
-    assert plan(work, tok, repo) == tok_jobs
-    assert plan(work, both, repo) == tok_jobs | variant_jobs(both, "gen", ("traces", "tokenized", "hidden_states"))
+    assert planned_ok(plans["adding:tok"]) == tok_jobs
+    assert planned_ok(plans["adding:both"]) == tok_jobs | variant_jobs(both, "gen", ("traces", "tokenized", "hidden_states"))
 
 
 def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
@@ -356,19 +389,20 @@ def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
     assert html.count("data:image/png;base64,") == 1 and "short" in html and dirs["hidden_states"] in html
     check = subprocess.run([PY, str(repo / "scripts/check_provenance.py"), str(r)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert plan(work, cfg, repo) == set()
     # Several variants inherit one change: a train knob reruns both drafts; an upstream knob
     # both trace instances (the variant's gets a new name); a knob the variant sets itself
-    # reruns the base only.
-    lr = edited(cfg, lambda c: c["train"].update(lr=0.01))
-    assert plan(work, lr, repo) == draft_jobs("default") | draft_jobs("short") | COMPARE
+    # reruns the base only. Removing the variant again: only the comparison table is redone,
+    # nothing is renamed. (Planned together: one Snakemake process.)
     warm = edited(cfg, lambda c: c["generation"].update(temperature=0.7))
     assert instance_dirs(warm, "short")["traces"] != dirs["traces"]
-    assert plan(work, warm, repo) == AFTER_TRACES | variant_jobs(warm, "short", ("traces", "tokenized", "hidden_states"))
-    assert plan(work, edited(cfg, lambda c: c["generation"].update(max_tokens=20)), repo) == AFTER_TRACES
-    # Removing the variant again: only the comparison table is redone, nothing is renamed.
-    cfg["variants"].pop("short")
-    assert plan(work, cfg, repo) == COMPARE
+    plans = {name: planned(proc.stdout) for name, proc in plan_together(work, {
+        "unchanged": (cfg, ()), "lr": (edited(cfg, lambda c: c["train"].update(lr=0.01)), ()), "warm": (warm, ()),
+        "max_tokens": (edited(cfg, lambda c: c["generation"].update(max_tokens=20)), ()),
+        "removed": (edited(cfg, lambda c: c["variants"].pop("short")), ()),
+    }, tmp_path / "plans", snakefile=repo / "Snakefile").items()}
+    assert plans == {"unchanged": set(), "lr": draft_jobs("default") | draft_jobs("short") | COMPARE,
+                     "warm": AFTER_TRACES | variant_jobs(warm, "short", ("traces", "tokenized", "hidden_states")),
+                     "max_tokens": AFTER_TRACES, "removed": COMPARE}
 
 
 def test_prompt_file_content_change_reruns_prompts_and_after(built, tmp_path):
@@ -402,13 +436,18 @@ def test_code_change_reruns_its_rules_and_after(built, moved, tmp_path, path):
     assert plan(work, cfg, checkout) == CODE_EDITS[path]
 
 
+# The cases that run build up to the trained draft: the bytes they compare are upstream of
+# verification, and which verification jobs a change reruns is planned above.
+FINAL = f"results/{RUN}/drafts/default/final"
+
+
 def test_aux_layer_change_runs_and_keeps_upstream_bytes(built, tmp_path):
     repo, work, cfg = built
     work = clone(work, tmp_path / "w")
     before = artifacts(work)
     cfg = json.loads(json.dumps(cfg))
     cfg["hidden_states"]["aux_layer_ids"] = [1, 3, 6]
-    run_snakemake(work, cfg, snakefile=repo / "Snakefile")
+    run_snakemake(work, cfg, FINAL, snakefile=repo / "Snakefile")
     after = artifacts(work)
     for same in ("target", "prompts_train", "prompts_eval", "traces", "tokenized"):
         assert after[same] == before[same], same
@@ -425,7 +464,7 @@ def test_lr_change_runs_and_keeps_hidden_states(built, tmp_path):
     before = artifacts(work)
     cfg = json.loads(json.dumps(cfg))
     cfg["train"]["lr"] = 0.01
-    run_snakemake(work, cfg, snakefile=repo / "Snakefile")
+    run_snakemake(work, cfg, FINAL, snakefile=repo / "Snakefile")
     after = artifacts(work)
     for same in ("target", "traces", "tokenized", "hidden_states"):
         assert after[same] == before[same], same

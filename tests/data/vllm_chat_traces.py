@@ -28,6 +28,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # The engine in this process, as scripts/load_check.py runs it: no engine-core and worker
+    # processes to spawn (each imports torch and vLLM again); what is generated is the same.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
