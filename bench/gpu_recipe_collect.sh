@@ -6,8 +6,8 @@
 R=/tmp/repo/bench/.work/recipe/results/smollm2-135m-gpu-recipe
 end=$((SECONDS + ${1:-540}))
 while [[ ! -f /tmp/res/${2:-DONE} ]] && (( SECONDS < end )); do sleep 3; done
-cat /tmp/res/steps.log 2>/dev/null; tail -5 /tmp/res/recipe.log; tail -8 /tmp/res/traces_speed.log 2>/dev/null
-tail -6 /tmp/res/acceptance_speed.log 2>/dev/null; tail -3 /tmp/res/variants.log 2>/dev/null
+cat /tmp/res/steps.log 2>/dev/null; tail -5 /tmp/res/recipe.log; tail -8 /tmp/res/traces_speed_b*.log 2>/dev/null
+tail -3 /tmp/res/variants.log 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used --format=csv
 (cd / && find tmp/res "${R#/}" tmp/repo/bench/.work/recipe/.snakemake/log -type f -size -3M -not -path '*hidden_states/*' \
    -not -path '*/checkpoints/*' -not -name '*.safetensors' -not -path '*/target/model/*' -print0 \
