@@ -93,13 +93,9 @@ def main() -> None:
     }
     table["ratio"] = round(table["backend"]["tok_s"] / table["generate_alone"]["tok_s"], 2)
     atomic_write_json(args.out, table)
-    print(f"| path | tokens | seconds | tok/s |
-|---|---|---|---|
-"
-          f"| backend ({stats['decoding']}) | {backend_tokens:,} | {backend_s:.1f} | {table['backend']['tok_s']:,} |
-"
-          f"| `generate` alone | {plain_tokens:,} | {plain_s:.1f} | {table['generate_alone']['tok_s']:,} |
-"
+    print(f"| path | tokens | seconds | tok/s |\n|---|---|---|---|\n"
+          f"| backend ({stats['decoding']}) | {backend_tokens:,} | {backend_s:.1f} | {table['backend']['tok_s']:,} |\n"
+          f"| `generate` alone | {plain_tokens:,} | {plain_s:.1f} | {table['generate_alone']['tok_s']:,} |\n"
           f"ratio backend / generate alone: {table['ratio']}; {stats['batches']} batches of {args.batch_size}")
 
 
