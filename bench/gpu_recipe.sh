@@ -19,7 +19,7 @@ W=$(cd "$W" && pwd)
 export PATH="$W/bin:$PATH" HF_HUB_OFFLINE=1
 CONFIGS=(config.yaml configs/gpu-recipe.yaml)  # --configfile replaces config.yaml: name it first
 RUN=smollm2-135m-gpu-recipe
-if [[ -n "${RECIPE_OVERLAY:-}" ]]; then  # e.g. configs/gpu-recipe-one-call.yaml
+if [[ -n "${RECIPE_OVERLAY:-}" ]]; then  # e.g. configs/gpu-recipe-variants.yaml
   CONFIGS+=("$RECIPE_OVERLAY"); RUN=$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['run_name'])" "$RECIPE_OVERLAY")
 fi
 if [[ "${BENCH_SMOKE:-0}" == 1 ]]; then
