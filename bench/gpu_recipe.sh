@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 W="${RECIPE_WORKDIR:-bench/.work/recipe}"  # tests/test_gpu_recipe.py runs it in a temp dir
 mkdir -p "$W/bin"
 PYBIN="${PYTHON:-$(command -v python3)}"
+PYBIN="$(cd "$(dirname "$PYBIN")" && pwd)/$(basename "$PYBIN")"  # absolute: the wrapper runs from the workdir
 # Rules call `python`; a wrapper (not a symlink: a venv's python must keep its own path).
 printf '#!/bin/sh\nexec "%s" "$@"\n' "$PYBIN" > "$W/bin/python" && chmod +x "$W/bin/python"
 W=$(cd "$W" && pwd)

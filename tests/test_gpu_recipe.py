@@ -30,3 +30,17 @@ def test_recipe_smoke_measures_every_suite_with_the_batched_backend(tmp_path):
     summary = json.loads((results / "traces/summary.json").read_text())
     assert summary["backends"] == {"transformers": summary["rows"]} and summary["failed"] == 0
     assert (results / "hidden_states/manifest.json").exists()
+
+    # The traces bench the GPU call runs after the recipe, on the smoke run's own target and
+    # prompts: it prints its table and writes the side-by-side figures (a broken bench costs a
+    # GPU call to find out).
+    bench = subprocess.run([sys.executable, "bench/traces_speed.py", "--target", str(tmp_path / "target-tiny"),
+                            "--prompts", str(results / "prompts/train.jsonl"), "--num", "8", "--batch-size", "4",
+                            "--max-tokens", "8", "--dtype", "float32", "--out", str(tmp_path / "traces_speed.json")],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    table = json.loads((tmp_path / "traces_speed.json").read_text())
+    assert table["prompts"] == 8 and table["backend"]["batches"] == 2, table
+    # Greedy on both paths over the same batches: the same number of generated tokens.
+    assert table["backend"]["tokens"] == table["generate_alone"]["tokens"] > 0, table
+    assert "ratio backend / generate alone" in bench.stdout
