@@ -35,7 +35,7 @@ from test_workflow import planned_job_set
 
 from pipeline_lib.errors import PipelineError
 from pipeline_lib.hidden_states import LayerSpec, inspect_hs_bytes, store_key
-from pipeline_lib.hidden_states.server import SERVER_MODULE, split_devices
+from pipeline_lib.hidden_states.server import SERVER_MODULE, split_devices, stop_group
 
 AUX = [2, 4, 5]
 TRAIN = {"draft_layers": 1, "draft_vocab_size": 512, "ttt_steps": 3, "epochs": 2, "lr": 0.003,
@@ -482,6 +482,27 @@ def test_job_killed_while_its_server_starts_leaves_no_server(run, tmp_path, sig)
 
 
 # --------------------------------------------------------------- settings, GPUs, the plan
+
+def test_stopping_a_server_group_reaps_its_leader(tmp_path):
+    """stop_group on a group whose leader is our child (as the training job's server is):
+    it returns with the leader reaped and no process of the group left. An exited leader
+    nobody reaps is a zombie that still counts as a group member: the stop then waited its
+    whole grace period (20 s per stopped server) before giving up on it."""
+    ready = tmp_path / "ready"
+    # A leader with a child of its own (like the API server and its engine), each handling SIGTERM.
+    code = ("import pathlib, subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(600)")
+    leader = subprocess.Popen([PY, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert leader.poll() is None and time.monotonic() < deadline, "the test's process group did not start"
+        time.sleep(0.05)
+    stop_group(leader.pid, grace_s=30, leader=leader)
+    assert leader.returncode is not None, "stop_group returned with its leader not reaped"
+    with pytest.raises(ProcessLookupError):  # no member of the group left
+        os.killpg(leader.pid, 0)
+
 
 def test_gpu_split_and_bad_online_settings(run, tmp_path):
     assert split_devices(["3", "5", "6", "7"], 1, 4) == (["3"], ["5", "6", "7"])
