@@ -27,7 +27,7 @@ class VllmBackend(Backend):
         # CUDA graphs pay off over a long decode on GPU; on CPU eager mode starts 3x faster.
         eager = gpus == 0
         self.log(f"[vllm] loading {self.target} (dtype {self.dtype}, {gpus or 'no'} GPU(s), "
-                 f"{'eager' if eager else 'CUDA graphs'}, engine {'in this process' if in_process else 'process'})")
+                 f"{'eager' if eager else 'CUDA graphs'}, engine {'in this process' if in_process else 'in a process of its own'})")
         try:
             self.llm = LLM(model=str(self.target), tokenizer=str(self.target), dtype=self.dtype,
                            enforce_eager=eager, seed=s.seed, trust_remote_code=s.trust_remote_code,
