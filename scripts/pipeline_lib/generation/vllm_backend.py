@@ -19,7 +19,7 @@ class VllmBackend(Backend):
     def start(self) -> None:
         from ..runtime import vllm_engine_in_process
 
-        in_process = vllm_engine_in_process()
+        self.in_process = in_process = vllm_engine_in_process()
         from vllm import LLM, SamplingParams
 
         s = self.settings
@@ -48,7 +48,8 @@ class VllmBackend(Backend):
             "seed": s.seed, "skip_special_tokens": self.skip_special_tokens})
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype}
+        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype,
+                "engine_in_process": self.in_process}  # describe() comes after start()
 
     def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
         s = self.settings
