@@ -102,9 +102,9 @@ def main() -> int:
     target_config = target_lib.load_config(target)
     draft_config = check_draft_dir(draft)
     runtime.setup()
-    # One process for the engine: vLLM's own exception reaches us (not "engine core failed,
-    # see above") and the CPU box starts it in seconds instead of a minute.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The engine in this process, on GPU too: vLLM's own exception reaches us (not "engine core
+    # failed, see above") and the CPU box starts it in seconds instead of a minute.
+    runtime.vllm_engine_in_process(on_gpu_too=True)
     import vllm
     from vllm import LLM, SamplingParams
 

@@ -144,6 +144,10 @@ def annotate_requests(requests: dict[str, list[dict]], runs: dict, suite_by_id: 
 def main() -> int:
     args = parse_args()
     runtime.setup()
+    # A cancelled job (Snakemake, SLURM) sends SIGTERM: unwind, so the parent stops its engine
+    # child and the child shuts its engine down (a separate EngineCore process, as on GPU, was
+    # left running by a child killed outright: seen on the CPU box with it forced on).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.engine_job:
         from pipeline_lib.acceptance import run_engine_job
 
@@ -153,8 +157,6 @@ def main() -> int:
 
     settings = effective_settings(args.settings)
     prov = Provenance("acceptance", settings)
-    # A cancelled job (Snakemake, SLURM) sends SIGTERM: unwind so the engine child is stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     check_inputs(args)
     started = time.time()
 

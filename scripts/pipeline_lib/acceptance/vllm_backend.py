@@ -93,6 +93,9 @@ def _records_from_engine(outputs: list[dict], prompts: list[EvalPrompt]) -> list
 
 @register("vllm")
 def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunResult], list[str]]:
+    from ..runtime import vllm_engine_in_process
+
+    vllm_engine_in_process()  # decided here, inherited by every engine child (and in provenance)
     runs: dict[str, RunResult] = {}
     # Trained first: if vLLM cannot load the draft we stop there (the others add nothing).
     for run, draft, c1, prompts in (("trained", spec.draft, True, spec.prompts),
@@ -154,10 +157,11 @@ def _engine_outputs(results) -> list[dict]:
 def run_engine_job(job: dict) -> dict:
     """Inside the child: start vLLM once, warm it up, then time the batch run (all prompts at
     once) and the concurrency-1 run (one prompt at a time). Imports vLLM; caller guards main."""
+    from ..runtime import has_cuda, vllm_engine_in_process
+
+    vllm_engine_in_process()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from ..runtime import has_cuda
 
     kwargs: dict[str, Any] = dict(
         model=job["target"], tokenizer=job["target"], dtype=job["dtype"], seed=job["seed"],

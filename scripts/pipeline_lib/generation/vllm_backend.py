@@ -17,6 +17,9 @@ class VllmBackend(Backend):
     prompts are in flight, and a request past request_timeout_s is aborted."""
 
     def start(self) -> None:
+        from ..runtime import vllm_engine_in_process
+
+        self.in_process = in_process = vllm_engine_in_process()
         from vllm import LLM, SamplingParams
 
         s = self.settings
@@ -24,7 +27,7 @@ class VllmBackend(Backend):
         # CUDA graphs pay off over a long decode on GPU; on CPU eager mode starts 3x faster.
         eager = gpus == 0
         self.log(f"[vllm] loading {self.target} (dtype {self.dtype}, {gpus or 'no'} GPU(s), "
-                 f"{'eager' if eager else 'CUDA graphs'})")
+                 f"{'eager' if eager else 'CUDA graphs'}, engine {'in this process' if in_process else 'in a process of its own'})")
         try:
             self.llm = LLM(model=str(self.target), tokenizer=str(self.target), dtype=self.dtype,
                            enforce_eager=eager, seed=s.seed, trust_remote_code=s.trust_remote_code,
@@ -45,7 +48,8 @@ class VllmBackend(Backend):
             "seed": s.seed, "skip_special_tokens": self.skip_special_tokens})
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype}
+        return {"backend": self.name, "model": str(self.target), "dtype": self.dtype,
+                "engine_in_process": self.in_process}  # describe() comes after start()
 
     def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
         s = self.settings

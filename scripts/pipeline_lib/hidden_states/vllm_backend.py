@@ -6,7 +6,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import PipelineError
 from .formats import storage_format
@@ -26,7 +26,7 @@ class VllmBackend:
     TOKENS_PER_CALL = 65536
 
     def __init__(self, target_dir: str | Path, spec: LayerSpec, settings: dict[str, Any], max_len: int):
-        from ..runtime import has_cuda
+        from ..runtime import has_cuda, vllm_engine_in_process
 
         if spec.max_positions and max_len + 1 > spec.max_positions:
             raise PipelineError(
@@ -34,7 +34,8 @@ class VllmBackend:
                 f"target allows {spec.max_positions}; lower tokenize.max_seq_len or use "
                 f"hidden_states.backend: transformers")
         cuda = has_cuda()
-        # The connector runs in the engine's own (spawned) processes; they must import it.
+        self.in_process = vllm_engine_in_process()
+        # The connector runs where the engine's worker runs (a spawned process on GPU); it must import it.
         path = os.environ.get("PYTHONPATH", "")
         if str(SCRIPTS_DIR) not in path.split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPTS_DIR), path) if p)
@@ -75,11 +76,11 @@ class VllmBackend:
                 if written != str(temp):
                     raise RuntimeError(f"row {r.index}: vLLM wrote hidden states to {written!r}, "
                                        f"expected {temp}; is allow_custom_save_path honoured?")
-                _wait_for_writer(temp)
+                _wait_for_writer(temp, step=self.llm.llm_engine.step if self.in_process else None)
                 yield store.commit(r, temp)
 
     def close(self) -> None:
-        """Stop the engine processes now rather than at interpreter exit."""
+        """Stop the engine (its processes, where it has them) now rather than at interpreter exit."""
         engine = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()
@@ -106,9 +107,12 @@ def connector_config(cuda: bool, storage: str = "bf16", storage_path: str | None
     return config
 
 
-def _wait_for_writer(path: Path, timeout_s: float = 600.0) -> None:
+def _wait_for_writer(path: Path, timeout_s: float = 600.0, step: Callable[[], Any] | None = None) -> None:
     """The connector holds LOCK_EX on `<path>.lock` until the file is complete (on CUDA the
-    write finishes in a thread after generate() returns); wait for it, then drop the lock."""
+    write finishes in a thread after generate() returns); wait for it, then drop the lock.
+    `step`: the engine's step, for an engine in this process. The scheduler hands a finished
+    request's save to the connector in the step after the one that finished it; a separate
+    EngineCore process runs that step by itself, an in-process engine only when stepped."""
     lock = Path(f"{path}.lock")
     if lock.exists():
         fd = os.open(lock, os.O_RDONLY)
@@ -121,6 +125,8 @@ def _wait_for_writer(path: Path, timeout_s: float = 600.0) -> None:
                 except BlockingIOError:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{path}: vLLM's writer held its lock for over {timeout_s:.0f} s")
+                    if step is not None:
+                        step()
                     time.sleep(0.01)
         finally:
             os.close(fd)
