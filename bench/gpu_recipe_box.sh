@@ -44,7 +44,7 @@ done
 touch /tmp/res/BENCH-DONE
 s=\$SECONDS; V=results/smollm2-135m-gpu-recipe/drafts  # targets are relative to the recipe's workdir
 RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \$V/lr-3e-4/verify/acceptance.json \
-  \$V/epochs-8/verify/acceptance.json > /tmp/res/variants.log 2>&1
+  \$V/epochs-4/verify/acceptance.json > /tmp/res/variants.log 2>&1
 echo "variants rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 touch /tmp/res/DONE
 STEPS
