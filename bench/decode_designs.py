@@ -12,7 +12,12 @@ end, so tokens/s is steps x batch). Designs, each timed after its own warm-up un
   static-eager    static cache, no compile
   static-compiled static cache, transformers compiles the decoding step (the traces backend)
   loop-graphs     a plain greedy loop: StaticCache, torch.compile(mode="reduce-overhead") of the
-                  forward (the ceiling without generate's per-step work)
+                  forward (cache length doubled to a power of two, HF's masks, K/V repeated)
+  graph-decode    the traces backend's greedy loop (scripts/pipeline_lib/generation/graph_decode):
+                  static cache sized to the batch, one CUDA graph per batch, grouped-query
+                  attention without repeated K/V
+  cb, cb-graphs   transformers' own continuous batching (model.generate_batch: paged cache, all
+                  prompts submitted at once), with its default settings / CUDA graphs forced on
 and a torch.profiler table of a few static-compiled decode steps (self CPU vs CUDA time).
 
     python bench/decode_designs.py --config config.json --out designs.json   # GPU
@@ -28,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, vocab_size=512, max_position_embeddings=2048, model_type="llama")
@@ -40,7 +46,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2 if SMOKE else 4)
     ap.add_argument("--batch-size", type=int, default=8 if SMOKE else 256)
     ap.add_argument("--max-tokens", type=int, default=8 if SMOKE else 128)
-    ap.add_argument("--designs", default="dynamic,dynamic-nocudnn,static-eager,static-compiled,loop-graphs")
+    ap.add_argument("--designs", default="dynamic-nocudnn,graph-decode,cb,cb-graphs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -124,6 +130,33 @@ def main() -> None:
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
         return b * args.max_tokens
 
+    from pipeline_lib.generation import graph_decode
+
+    def graph_loop(ids, mask):
+        graph_decode.prepare(model)
+        try:
+            rows = graph_decode.greedy_batch(model, ids, mask, args.max_tokens, {-1}, 0)
+        finally:
+            model.set_attn_implementation("sdpa")
+        return sum(len(r) for r in rows)
+
+    def continuous(graphs: bool):
+        from transformers import GenerationConfig
+        from transformers.generation import ContinuousBatchingConfig
+
+        def run_all(batches) -> int:
+            prompts = [row[m.bool()].tolist() for ids, mask in batches for row, m in zip(ids, mask)]
+            gen = GenerationConfig(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+            cb = ContinuousBatchingConfig(use_cuda_graph=graphs or None)
+            out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                       progress_bar=False)
+            failed = [o.error for o in out.values() if o.error]
+            if failed or len(out) != len(prompts):
+                print(f"continuous batching: {len(out)} of {len(prompts)} answered; errors: {failed[:3]}")
+            return sum(len(o.generated_tokens) for o in out.values())
+        return run_all
+
     designs = args.designs.split(",")
     result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "dtype": str(dtype),
               "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "batch_size": args.batch_size,
@@ -140,8 +173,19 @@ def main() -> None:
             torch.backends.cuda.enable_cudnn_sdp(False)
             result["designs"]["dynamic, cuDNN attention off (first pass)"] = timed(generate, batches)
             torch.backends.cuda.enable_cudnn_sdp(True)
-        elif name in ("static-eager", "static-compiled", "loop-graphs"):
-            fn = {"static-eager": static(False), "static-compiled": static(True), "loop-graphs": loop_graphs}[name]
+        elif name in ("cb", "cb-graphs"):
+            run_all = continuous(name == "cb-graphs")
+            sync()
+            t0 = time.perf_counter()
+            tokens = run_all(batches)
+            sync()
+            s = time.perf_counter() - t0
+            result["designs"][name] = {"seconds": round(s, 3), "tokens": tokens, "tok_s": round(tokens / s),
+                                       "ms_per_step": round(1000 * s / (args.batches * args.max_tokens), 2),
+                                       "note": "all prompts at once, warm-up included"}
+        elif name in ("static-eager", "static-compiled", "loop-graphs", "graph-decode"):
+            fn = {"static-eager": static(False), "static-compiled": static(True), "loop-graphs": loop_graphs,
+                  "graph-decode": graph_loop}[name]
             t0 = time.perf_counter()
             timed(fn, batches[:1])  # warm-up / compile on the first batch's shapes
             warm = time.perf_counter() - t0

@@ -14,6 +14,8 @@
 # can collect what outlasts this one) the steps: the recipe (bench/gpu_recipe.sh), the traces
 # bench on its target at two batch sizes, the variants (configs/gpu-recipe-variants.yaml). Each step's
 # log goes to /tmp/res/; bench/gpu_recipe_collect.sh waits and copies them to $OUT.
+# Narrower runs: RECIPE_TARGETS (Snakemake targets, relative to the recipe's workdir; default: the
+# whole recipe), TRACES_BATCHES (default "256 512"), VARIANTS (variant names; "" skips them).
 set -uo pipefail
 t0=$(date +%s.%N)
 rm -rf /tmp/res /tmp/repo; mkdir -p /tmp/res
@@ -32,20 +34,22 @@ R=bench/.work/recipe/results/smollm2-135m-gpu-recipe
 cat > /tmp/res/steps.sh <<STEPS
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cd /tmp/repo
-bash bench/gpu_recipe.sh > /tmp/res/recipe.log 2>&1
+bash bench/gpu_recipe.sh ${RECIPE_TARGETS:-} > /tmp/res/recipe.log 2>&1
 echo "recipe rc=\$? done at \$(python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$t0") s since the call's set-up began" >> /tmp/res/steps.log
 touch /tmp/res/RECIPE-DONE
-# The traces bench at batch 256 (the old recipe's), 512 (this recipe's) and 1024, each next to generate alone.
-for b in 256 512 1024; do
+# The traces bench at batch 256 (the issue's) and 512 (the recipe's), each next to generate alone.
+for b in ${TRACES_BATCHES:-256 512}; do
   s=\$SECONDS; python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
     --batch-size \$b --out /tmp/res/traces_speed_b\$b.json > /tmp/res/traces_speed_b\$b.log 2>&1
   echo "traces_speed batch \$b rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
 done
 touch /tmp/res/BENCH-DONE
 s=\$SECONDS; V=results/smollm2-135m-gpu-recipe/drafts  # targets are relative to the recipe's workdir
-RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \$V/lr-3e-4/verify/acceptance.json \
-  \$V/epochs-4/verify/acceptance.json > /tmp/res/variants.log 2>&1
-echo "variants rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+targets=""; for v in ${VARIANTS-lr-3e-4 epochs-4}; do targets="\$targets \$V/\$v/verify/acceptance.json"; done
+if [ -n "\$targets" ]; then
+  RECIPE_OVERLAY=configs/gpu-recipe-variants.yaml bash bench/gpu_recipe.sh \$targets > /tmp/res/variants.log 2>&1
+  echo "variants rc=\$? \$((SECONDS - s)) s" >> /tmp/res/steps.log
+fi
 touch /tmp/res/DONE
 STEPS
 setsid bash /tmp/res/steps.sh > /tmp/res/steps.out 2>&1 < /dev/null &

@@ -665,8 +665,10 @@ def plain_greedy(tiny_target) -> SimpleNamespace:
 
 @pytest.mark.parametrize("batch_size", [4, 12], ids=["sorted-batches", "one-batch"])
 def test_transformers_greedy_answers_equal_plain_generate(tiny_target, plain_greedy, batch_size):
-    """Sorted, left-padded batches give the same greedy tokens as plain generate one prompt at
-    a time: padding, the sort and splitting the batch back into rows change no answer."""
+    """Sorted, left-padded batches through the backend's greedy loop (graph_decode: static
+    cache per batch, grouped-query attention; the tiny target has 2 query heads per K/V head)
+    give the same greedy tokens as plain generate one prompt at a time: padding, the sort,
+    the loop and splitting the batch back into rows change no answer."""
     from pipeline_lib.generation import GenerationSettings, PromptRequest, make_backend
 
     settings = GenerationSettings.from_dict({"backend": "transformers", "max_tokens": 24, "batch_size": batch_size})
@@ -679,6 +681,7 @@ def test_transformers_greedy_answers_equal_plain_generate(tiny_target, plain_gre
     # The emitted ids (end-of-turn included) that tokenize splices in: plain generate's tokens.
     assert {c.request.id: c.token_ids for c in completions} == plain_greedy.token_ids
     stats = backend.describe()
+    assert stats["decoding"].startswith("greedy loop, static cache per batch"), stats
     assert stats["batches"] == -(-len(requests) // batch_size)
     assert stats["longest_batch_prompt"] == max(len(backend._render(r)) for r in requests)
 
@@ -708,3 +711,49 @@ def test_transformers_token_ids_of_a_stopped_answer_end_with_its_end_of_turn_tok
     backend.start()
     (c,) = backend.generate([PromptRequest("p", messages)])
     assert (c.finish_reason, c.token_ids, c.completion_tokens) == ("stop", plain, len(plain))
+
+
+def _random_decoder(model_type: str, **extra):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type=model_type, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                               num_attention_heads=6, num_key_value_heads=2, vocab_size=512,
+                               max_position_embeddings=1024, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def test_graph_decode_groups_query_heads_by_their_kv_head():
+    """Three query heads per K/V head and two K/V heads (the tiny target has one K/V head, where
+    any grouping is right): the loop's grouped one-token attention gives generate's tokens for
+    every row of a left-padded batch, prompts of 1 to 70 tokens, 40 tokens each (no eos)."""
+    import torch
+
+    from pipeline_lib.generation import graph_decode
+
+    model = _random_decoder("llama")
+    model.generation_config.eos_token_id = None
+    lengths = [70, 33, 17, 9, 1]
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                               pad_token_id=0)[:, width:].tolist()
+    assert graph_decode.supports(model) is None
+    graph_decode.prepare(model)
+    assert graph_decode.greedy_batch(model, ids, mask, 40, {-1}, 0) == plain
+
+
+def test_graph_decode_leaves_sliding_window_targets_and_sampling_to_generate(tiny_target):
+    """A target with sliding-window layers is not taken by the loop (its masks are full causal);
+    sampled traces use generate; the backend's decoding summary names the path and the reason."""
+    from pipeline_lib.generation import GenerationSettings, make_backend, graph_decode
+
+    assert "sliding-window" in graph_decode.supports(_random_decoder("mistral", sliding_window=16))
+    settings = GenerationSettings.from_dict({"backend": "transformers", "max_tokens": 8, "temperature": 0.7})
+    backend = make_backend(settings, tiny_target, "float32", log=lambda msg: None)
+    backend.start()
+    assert backend.describe()["decoding"].startswith("HF generate, dynamic cache (sampling (temperature > 0))")

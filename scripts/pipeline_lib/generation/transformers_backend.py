@@ -1,8 +1,10 @@
 """transformers backend: HF generate, for targets (or GPU boxes) vLLM cannot run."""
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
+from . import graph_decode
 from .base import (ERROR_INVALID, ERROR_TRANSIENT, Backend, BackendUnavailable, Completion, PromptRequest,
                    prompt_error_types, register, vllm_tokenizer)
 from ..errors import PipelineError
@@ -10,18 +12,18 @@ from ..errors import PipelineError
 
 @register("transformers")
 class TransformersBackend(Backend):
-    """HF generate over sorted, left-padded batches with its default (dynamic) KV cache, for
-    targets (or GPU boxes) vLLM cannot run. The prompts are sorted longest first and cut into
-    batches of batch_size, so a batch's prompts have similar lengths (little padding) and short
-    prompts never attend over the longest one's cache. On CUDA, cuDNN attention is off
-    (runtime.padded_batch_attention). Measured against static caches bucketed by length with a
-    compiled decoding step, on an H200 with the demo target (bench/decode_designs.py and
-    bench/traces_speed.py, 2026-12-04): the dynamic cache was faster in the same run, 5,415
-    vs 2,169 generated tokens/s on 2,048 recipe prompts, and needs no compile warm-up (17-43 s);
-    so the static path was removed. Greedy (temperature 0) or sampled with torch seeded by `seed`
-    before each batch (so sampled answers depend on the batch composition, unlike vLLM's
-    per-request seeds). A batch that runs past request_timeout_s is cut (generate's max_time);
-    its unfinished prompts are retried."""
+    """Greedy answers come from the target's own forward in a decoding loop built for small
+    targets on big GPUs (graph_decode: a static cache sized to each batch, the one-token step
+    replayed as a CUDA graph, grouped-query attention without repeated K/V); sampled answers,
+    and targets that loop cannot take (graph_decode.supports), from HF `generate` with its
+    dynamic cache. Either way the prompts are sorted longest first and cut into batches of
+    batch_size, so a batch's prompts have similar lengths (little padding) and short prompts
+    never attend over the longest one's cache. On CUDA, cuDNN attention is off
+    (runtime.padded_batch_attention). bench/traces_speed.py measures this backend next to
+    `generate` alone on the same batches; bench/decode_designs.py the designs behind it.
+    Sampling seeds torch with `seed` before each batch (so sampled answers depend on the batch
+    composition, unlike vLLM's per-request seeds). A batch that runs past request_timeout_s is
+    cut (generate's max_time, the loop's deadline); its unfinished prompts are retried."""
 
     def start(self) -> None:
         import torch
@@ -50,8 +52,17 @@ class TransformersBackend(Backend):
         if s.reasoning_parser:
             self._make_splitter(vllm_tokenizer(self.target, s.trust_remote_code))
         self._prompt_errors = prompt_error_types()
+        # The one place that picks the decoding loop (the reason is in the shard summary).
+        why_not = "sampling (temperature > 0)" if s.temperature > 0 else graph_decode.supports(self.model)
+        self.graph_decode = why_not is None
+        if self.graph_decode:
+            graph_decode.prepare(self.model)
+            decoding = "greedy loop, static cache per batch" + (", CUDA graph" if self.device == "cuda" else "")
+        else:
+            decoding = f"HF generate, dynamic cache ({why_not})"
+        self.log(f"[transformers] decoding: {decoding}")
         # Facts for the shard summary, filled in as batches run.
-        self.stats: dict[str, Any] = {"decoding": "HF generate, dynamic cache, batches sorted by prompt length",
+        self.stats: dict[str, Any] = {"decoding": decoding + ", batches sorted by prompt length",
                                       "batches": 0, "longest_batch_prompt": None}
 
     def describe(self) -> dict[str, Any]:
@@ -109,22 +120,26 @@ class TransformersBackend(Backend):
         if s.temperature > 0:
             torch.manual_seed(s.seed)
         try:
-            with torch.inference_mode():
-                out = self.model.generate(input_ids=input_ids, attention_mask=mask,
-                                          **self._generate_kwargs(max_new))
+            if self.graph_decode:
+                generated = graph_decode.greedy_batch(self.model, input_ids, mask, max_new, self.eos_ids, self.pad_id,
+                                                      deadline=time.monotonic() + s.request_timeout_s)
+            else:
+                with torch.inference_mode():
+                    out = self.model.generate(input_ids=input_ids, attention_mask=mask,
+                                              **self._generate_kwargs(max_new))
+                generated = out[:len(batch), width:].tolist()
         except torch.OutOfMemoryError:
             raise BackendUnavailable(f"out of memory generating a batch of {len(batch)} prompts (longest "
                                      f"{width} tokens); lower generation.batch_size") from None
         self.stats["batches"] += 1
         self.stats["longest_batch_prompt"] = max(width, self.stats["longest_batch_prompt"] or 0)
-        generated = out[:len(batch), width:].tolist()
         for req, prompt, tokens in zip(batch, prompts, generated):
             stop_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
             if stop_at is not None:
                 kept, finish, count = tokens[:stop_at], "stop", stop_at + 1  # vLLM counts the eos token too
             elif len(tokens) >= max_new:
                 kept, finish, count = tokens, "length", len(tokens)
-            else:  # generate stopped on max_time before this row finished
+            else:  # the batch ran past request_timeout_s before this row finished
                 yield Completion.failed(req, f"no answer within request_timeout_s = {s.request_timeout_s}s "
                                              f"(batch of {len(batch)})", ERROR_TRANSIENT, len(prompt))
                 continue
