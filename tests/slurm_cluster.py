@@ -40,9 +40,9 @@ INSTALL_HINT = ("run `bash .ci/install_slurm.sh` as root (CI's .ci/run does) to 
 
 PARTITION = "pipelinetest"
 ACCOUNT = "pipeline-test"
-NUM_GPUS = 4          # fake: enough for the tests' GPU jobs to all run at once
-NODE_CPUS = 8          # more than the 2 real cores (config_overrides): room for concurrent jobs
-NODE_MEM_MB = 64000    # not enforced (no cgroups); the pipeline's rules ask for 8000 each
+NUM_GPUS = 8          # fake: enough for the tests' GPU jobs to all run at once (the throwaway workflow takes 4, a pipeline GPU job 1)
+NODE_CPUS = 16         # more than the 2 real cores (config_overrides): every job of the runs can start at once
+NODE_MEM_MB = 160000   # not enforced (no cgroups); the pipeline's rules ask for 8000 each
 MIN_JOB_AGE_S = 1800   # squeue (and scontrol, which the tests ask) keep finished jobs this long: >= 3x the status-check delay
 SLURMDBD_PORT = 6819   # SLURM's default
 DB_USER, DB_NAME = "slurm", "slurm_acct_db"

@@ -456,12 +456,15 @@ def test_server_that_never_gets_ready_fails_the_job_with_its_log(run, tmp_path):
 
 def test_server_that_exits_at_start_fails_the_job_with_its_log(run, tmp_path):
     out = tmp_path / "draft"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "100000"}  # 100 TB of KV cache: vLLM refuses to start
+    # A logging config that does not exist: vLLM refuses it as it is imported, before loading
+    # any model (an impossible KV cache size did the same after ~30 s of start-up).
+    missing = tmp_path / "no-such-logging-config.json"
+    env = {**os.environ, "VLLM_LOGGING_CONFIG_PATH": str(missing)}
     proc = subprocess.run(train_cmd(run, out, hs_settings=ONLINE), capture_output=True, text=True, timeout=300,
                           env=env)
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "the hidden-states vLLM server exited with status 1 before it was ready" in proc.stderr
-    assert "VLLM_CPU_KVCACHE_SPACE" in proc.stderr  # the tail of the server's own log says why
+    assert "Could not load logging config" in proc.stderr and str(missing) in proc.stderr  # the server's own log says why
     assert group_gone(server_pgid(proc.stdout))
 
 

@@ -1,7 +1,8 @@
 """profiles/slurm against a REAL single-node SLURM cluster (tests/slurm_cluster.py).
 
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
-placeholders and the first status-check delay are replaced, and the vLLM stages ask for the
+placeholders and the first status-check delay are replaced (and the plugin's growing wait
+between status checks is capped at a few seconds: tests/slurm_snakemake.py), and the vLLM stages ask for the
 cluster's one `vllm` license, so SLURM runs them one at a time (the box's 2 cores take one vLLM
 engine; two at once crawl). The cluster has accounting (slurmdbd), so the pipeline's runs use
 the profile's `sacct` status command, the plugin's default; the throwaway workflow and the
@@ -134,7 +135,8 @@ class Runs:
 
 
 def snakemake_command(snakefile: Path, workdir: Path, *args: str) -> list[str]:
-    return [PY, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
+    # Snakemake's CLI with the plugin's status-poll back-off capped (tests/slurm_snakemake.py).
+    return [PY, str(Path(__file__).with_name("slurm_snakemake.py")), "-s", str(snakefile), "-d", str(workdir), *args]
 
 
 class Preemption:
