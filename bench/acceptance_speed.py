@@ -28,7 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from measure_acceptance import eos_token_ids  # noqa: E402
 from pipeline_lib import acceptance as acc  # noqa: E402
 from pipeline_lib.io import atomic_write_json  # noqa: E402
 
@@ -132,12 +131,15 @@ def main() -> None:
         target=str(paths["target"]), draft=str(paths["draft"]), untrained=str(paths["untrained"]), prompts=prompts,
         num_speculative_tokens=args.k, max_tokens=args.max_tokens, dtype=args.dtype,
         concurrency_one_prompts=min(args.concurrency_one_prompts, len(prompts)),
-        eos_token_ids=eos_token_ids(Path(paths["target"]), tok), untrained_prompts=args.untrained_prompts,
+        eos_token_ids=acc.eos_token_ids(Path(paths["target"]), tok), untrained_prompts=args.untrained_prompts,
         batch_size=args.batch_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     t0 = time.perf_counter()
-    runs, _ = acc.BACKENDS["transformers"](spec)
+    # The two jobs' measurements: the target alone (acceptance_baseline) and the drafts (acceptance).
+    no_draft, _ = acc.BACKENDS["transformers"].no_draft(spec)
+    runs, _ = acc.BACKENDS["transformers"].drafts(spec)
+    runs["no_draft"] = no_draft
     job_s = time.perf_counter() - t0
     body = acc.assemble(spec, "transformers", runs, [], None)
     job_tokens = body["acceptance"]["trained"]["output_tokens"]
@@ -148,7 +150,8 @@ def main() -> None:
         gen_tokens, gen_s = plain_generate(target, prompts, args.max_tokens, set(spec.eos_token_ids),
                                            args.batch_size, device)
     job_tps, gen_tps = job_tokens / job_s, gen_tokens / gen_s
-    parts = body["timing"]["parts_s"]["trained"]
+    parts = {**body["timing"]["parts_s"]["trained"],
+             "concurrency_one_plain": body["timing"]["parts_s"]["no_draft"]["concurrency_one_plain"]}
     # The batched measurement alone (what grows with the number of prompts): generate, target
     # pass, both drafts' passes; the rest is model loading and the concurrency-1 chain/plain timing.
     measure_s = sum(v for n, v in parts.items() if not n.startswith("concurrency_one"))

@@ -13,6 +13,7 @@ from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
 from pipeline_lib import stages  # noqa: E402
+from pipeline_lib.acceptance.job import BASELINE_KEYS  # noqa: E402
 from pipeline_lib.assets import PREFIX as PYPI_PREFIX, resolve_asset  # noqa: E402
 from pipeline_lib.digests import path_digest  # noqa: E402
 
@@ -43,6 +44,7 @@ wildcard_constraints:
     shard=r"\d+",
     num_shards=r"\d+",
     variant=r"[A-Za-z0-9._-]+",
+    baseline=rf"[0-9a-f]{{{stages.DIGEST_CHARS}}}",
     # A stage instance's directory: the base config's plain name, or <stage>-<digest>.
     traces=stages.instance_pattern("traces"),
     tokenized=stages.instance_pattern("tokenized"),
@@ -122,6 +124,11 @@ def suite_prompt_files():
     return {name: f"{R}/eval_suites/{name}/prompts.jsonl" for name in suite_entries()}
 
 
+def suite_flags():
+    """One --suite name=path per verify.suites entry (ids are prefixed with the name)."""
+    return " ".join(f"--suite {n}={p}" for n, p in suite_prompt_files().items())
+
+
 def suite_overlap_files():
     return [f"{R}/eval_suites/{name}/overlap.json" for name in suite_entries()]
 
@@ -143,6 +150,30 @@ def acceptance_settings(variant):
     value["suites"] = sorted(suite_entries())  # a removed suite reruns the measurement
     value["degenerate"] = cfg["verify"]["degenerate"]
     return json.dumps(value, sort_keys=True)
+
+
+def baseline_settings(variant):
+    """What the run without speculation depends on (pipeline_lib.acceptance.BASELINE_KEYS): the
+    variant's acceptance settings less those only the drafts' runs read."""
+    value = json.loads(acceptance_settings(variant))
+    return json.dumps({k: value[k] for k in BASELINE_KEYS if k in value}, sort_keys=True)
+
+
+def baseline_key(variant):
+    """The baseline file's name: a digest of its settings, so variants with equal settings share one."""
+    return hashlib.sha256(baseline_settings(variant).encode()).hexdigest()[: stages.DIGEST_CHARS]
+
+
+def baseline_file(variant):
+    return f"{R}/verify/baseline/{baseline_key(variant)}.json"
+
+
+def baseline_settings_for_key(key):
+    """The settings behind a baseline key (the acceptance_baseline job's params)."""
+    for variant in VARIANTS:
+        if baseline_key(variant) == key:
+            return baseline_settings(variant)
+    raise WorkflowError(f"{R}/verify/baseline/{key}.json: no variant of this config has these baseline settings")
 
 
 def contract_settings(variant):

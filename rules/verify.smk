@@ -1,5 +1,6 @@
 # Stage 7 - verify: contract checks (format, layer ids, vocab maps, embeddings, digests),
-# acceptance measured in real vLLM (trained vs untrained draft vs no speculation), and the
+# acceptance measured in real vLLM (trained vs untrained draft vs no speculation: the target
+# alone measured once per set of baseline settings, shared by the variants), and the
 # report people read. A draft vLLM cannot load still gets a report stating vLLM's message.
 
 
@@ -66,6 +67,36 @@ rule eval_suite:
         " --out {output.prompts} --overlap {output.overlap} > {log} 2>&1"
 
 
+rule acceptance_baseline:
+    input:
+        target=f"{R}/target/model",
+        prompts=f"{R}/prompts/eval.jsonl",
+        suites=lambda wc: list(suite_prompt_files().values()),
+    output:
+        f"{R}/verify/baseline/{{baseline}}.json",
+    params:
+        script=script("measure_baseline.py"),
+        gpu_wrapper=script("run_on_gpus.py"),
+        settings=lambda wc: baseline_settings_for_key(wc.baseline),
+        suites=lambda wc: suite_flags(),
+        code=code_version("measure_baseline.py", "run_on_gpus.py"),
+    conda:
+        CONDA_ENV
+    log:
+        f"{R}/logs/acceptance_baseline/{{baseline}}.log",
+    benchmark:
+        f"{R}/benchmarks/acceptance_baseline/{{baseline}}.tsv"
+    threads: res("verify", "threads")
+    resources:
+        mem_mb=res("verify", "mem_mb"),
+        runtime=res("verify", "runtime"),
+        gpu=res("verify", "gpu"),
+    shell:
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        " python {params.script} --settings {params.settings:q}"
+        " --target {input.target} --prompts {input.prompts} {params.suites} --out {output} > {log} 2>&1"
+
+
 rule acceptance:
     input:
         target=f"{R}/target/model",
@@ -73,14 +104,15 @@ rule acceptance:
         untrained=f"{R}/drafts/{{variant}}/untrained",
         prompts=f"{R}/prompts/eval.jsonl",
         suites=lambda wc: list(suite_prompt_files().values()),
+        # The target alone, shared by every variant with the same baseline settings.
+        baseline=lambda wc: baseline_file(wc.variant),
     output:
         f"{R}/drafts/{{variant}}/verify/acceptance.json",
     params:
         script=script("measure_acceptance.py"),
         gpu_wrapper=script("run_on_gpus.py"),
         settings=lambda wc: acceptance_settings(wc.variant),
-        # One --suite name=path per verify.suites entry (ids are prefixed with the name).
-        suites=lambda wc: " ".join(f"--suite {n}={p}" for n, p in suite_prompt_files().items()),
+        suites=lambda wc: suite_flags(),
         code=code_version("measure_acceptance.py", "run_on_gpus.py"),
     conda:
         CONDA_ENV
@@ -97,7 +129,7 @@ rule acceptance:
         "python {params.gpu_wrapper} --gpus {resources.gpu} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --draft {input.draft} --untrained {input.untrained}"
-        " --prompts {input.prompts} {params.suites} --out {output} > {log} 2>&1"
+        " --prompts {input.prompts} {params.suites} --baseline {input.baseline} --out {output} > {log} 2>&1"
 
 
 rule report:

@@ -41,7 +41,8 @@ def test_cpu_jobs_run_vllms_engine_in_their_own_process(e2e):
     runtime.vllm_engine_in_process decides; the acceptance provenance records the mode."""
     r = e2e.results
     logs = [*sorted((r / "logs/traces").glob("*.log")), *sorted((r / "logs/hidden_states").glob("*.log")),
-            r / "logs/acceptance/default.log", r / "logs/load_check/default.log"]
+            r / "logs/acceptance/default.log", next((r / "logs/acceptance_baseline").glob("*.log")),
+            r / "logs/load_check/default.log"]
     for log in logs:
         text = log.read_text()
         assert "init engine (profile, create kv cache, warmup model) took" in text, log  # an engine ran here

@@ -42,6 +42,10 @@ def job(rule: str, **wildcards) -> tuple[str, tuple[tuple[str, str], ...]]:
 
 
 COMPARE = {job("compare_variants")}
+# The no-speculation baseline, measured once for every variant with the same baseline settings
+# under a digest of them (rules/common.smk baseline_key); planned() writes every key as "<key>",
+# test_baseline_is_shared_by_the_variants_with_its_settings checks the keys themselves.
+BASELINE = job("acceptance_baseline", baseline="<key>")
 
 
 def verify_jobs(variant: str) -> set:
@@ -67,8 +71,11 @@ AFTER_HIDDEN = hidden_state_jobs("hidden_states") | AFTER_TRAIN
 AFTER_TOKENIZE = {job("tokenize", tokenized="tokenized")} | AFTER_HIDDEN
 AFTER_TRACES = trace_jobs("traces") | AFTER_TOKENIZE
 VERIFY_ONLY = verify_jobs("default") | COMPARE
-# New training prompts: the e2e config's eval suite `code` re-measures its overlap with them.
-TRAIN_PROMPTS = {job("prompts_train"), job("eval_suite", suite="code")}
+# What the baseline reads changed too (a setting of BASELINE_KEYS, the eval prompts, a suite).
+MEASURED = {BASELINE} | VERIFY_ONLY
+# New training prompts: the e2e config's eval suite `code` re-measures its overlap with them,
+# and rewrites its prompts, which the baseline measures.
+TRAIN_PROMPTS = {job("prompts_train"), job("eval_suite", suite="code"), BASELINE}
 CHAMP_SUITE = {"name": "math", "source": "pypi:champ_dataset/dataset_files/v0.json", "format": "champ",
                "num_samples": 2}
 
@@ -159,7 +166,7 @@ def planned(out: str) -> set:
     """The jobs a dry-run's output lists, as {(rule, wildcards)}; 'all' left out."""
     if "Nothing to be done" in out:
         return set()
-    return {j for j in planned_job_set(out) if j[0] != "all"}
+    return {BASELINE if j[0] == BASELINE[0] else j for j in planned_job_set(out) if j[0] != "all"}
 
 
 def planned_ok(proc: subprocess.CompletedProcess) -> set:
@@ -193,6 +200,7 @@ def artifacts(work: Path) -> dict[str, str]:
         "target": "target/model", "prompts_train": "prompts/train.jsonl", "prompts_eval": "prompts/eval.jsonl",
         "traces": "traces/traces.jsonl", "tokenized": "tokenized/data",
         "hidden_states": "hidden_states/manifest.json", "final": "drafts/default/final",
+        "baseline": "verify/baseline",
     }.items()}
 
 
@@ -212,24 +220,25 @@ def _upstream_variant(section: str, change: dict):
 CASES = {
     "train_lr": (lambda c: c["train"].update(lr=0.01), AFTER_TRAIN),
     "draft_vocab_size": (lambda c: c["train"].update(draft_vocab_size=256), AFTER_TRAIN),
-    "verify_k": (lambda c: c["verify"].update(num_speculative_tokens=2), VERIFY_ONLY),
+    "verify_k": (lambda c: c["verify"].update(num_speculative_tokens=2), MEASURED),
     "verify_threshold": (lambda c: c["verify"]["thresholds"].update(min_mean_acceptance_length=1.1),
                          {job("report", variant="default")} | COMPARE),
     "verify_serve_render_rows": (lambda c: c["verify"].update(serve_render_rows=3),
                                  {job("contract_checks", variant="default"), job("report", variant="default")} | COMPARE),
-    "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {job("prompts_eval")} | VERIFY_ONLY),
+    "eval_prompts": (lambda c: c["prompts"]["eval"].update(num_samples=3), {job("prompts_eval")} | MEASURED),
     "eval_held_out_samples": (lambda c: c["prompts"].update(eval_held_out_samples=2),
                               TRAIN_PROMPTS | {job("prompts_eval")} | AFTER_TRACES),
     # Training prompts are decontaminated against the whole eval source: its n-gram length
     # (like the eval source itself) defines the training split, not the eval one here.
     "decontamination_ngram": (lambda c: c["prompts"].update(decontamination_ngram=6),
                               TRAIN_PROMPTS | AFTER_TRACES),
-    # Eval suites: adding, resizing or removing one plans verification only (README rebuild table).
+    # Eval suites: adding, resizing or removing one plans verification only (README rebuild table),
+    # the baseline included (it measures every suite).
     "suite_added": (lambda c: c["verify"]["suites"].append(CHAMP_SUITE),
-                    {job("eval_suite", suite="math")} | VERIFY_ONLY),
+                    {job("eval_suite", suite="math")} | MEASURED),
     "suite_resized": (lambda c: c["verify"]["suites"][0].update(num_samples=1),
-                      {job("eval_suite", suite="code")} | VERIFY_ONLY),
-    "suite_removed": (lambda c: c["verify"].update(suites=[]), VERIFY_ONLY),
+                      {job("eval_suite", suite="code")} | MEASURED),
+    "suite_removed": (lambda c: c["verify"].update(suites=[]), MEASURED),
     "suite_settings_report_only": (lambda c: c["verify"].update(overlap_threshold=0.5, bootstrap={"seed": 3}),
                                    {job("report", variant="default")} | COMPARE),
     # Declared at training time: training prompts are decontaminated against it too.
@@ -285,6 +294,16 @@ def tok_and_gen_variants(cfg: dict) -> tuple[dict, dict]:
     return tok, edited(tok, lambda c: c["variants"].update({"gen": {"generation": {"max_tokens": 12}}}))
 
 
+def sharing_configs(cfg: dict) -> dict[str, dict]:
+    """Variants and the baseline: a train-only variant with a new baseline-relevant verify
+    setting (both variants need the new baseline); a train-only variant and one whose eval
+    prompts render with other template arguments (only that one needs a baseline of its own)."""
+    train_only = edited(cfg, lambda c: c["variants"].update({"v2": {"draft_layers": 2}}))
+    return {"new_max_tokens": edited(train_only, lambda c: c["verify"].update(max_tokens=12)),
+            "own_template": edited(train_only, lambda c: c["variants"].update(
+                {"v3": {"generation": {"chat_template_kwargs": {"enable_thinking": False}}}}))}
+
+
 @pytest.fixture(scope="module")
 def plans(built, moved, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The dry-run-only cases' plans on the moved copy, made together in one Snakemake process
@@ -297,6 +316,7 @@ def plans(built, moved, tmp_path_factory) -> dict[str, subprocess.CompletedProce
                "flags": (cfg, FLAGS),
                **{f"upstream:{section}": (upstream_variant_config(cfg, section), ()) for section in UPSTREAM_VARIANTS},
                "adding:tok": (tok, ()), "adding:both": (both, ()),
+               **{f"sharing:{name}": (config, ()) for name, config in sharing_configs(cfg).items()},
                "unchanged, planned last": (cfg, ())}
     return plan_together(moved, configs, tmp_path_factory.mktemp("plans"), snakefile=repo / "Snakefile", check=False)
 
@@ -313,6 +333,29 @@ def test_concurrency_and_resource_flags_plan_nothing(plans):
 def test_plans_made_together_leave_nothing_behind(plans):
     """After every case's plan in the same process, the unchanged config still plans nothing."""
     assert planned_ok(plans["unchanged, planned last"]) == set()
+
+
+def test_baseline_is_shared_by_the_variants_with_its_settings(built, plans):
+    """One acceptance_baseline job for every set of baseline settings, whatever the number of
+    variants: a new verify.max_tokens plans one for two variants; a train-only variant plans
+    none (it shares the built one), a variant with its own chat template arguments its own."""
+    _, work, _ = built
+    [built_key] = [p.stem for p in (work / "results" / RUN / "verify/baseline").glob("*.json")
+                   if not p.name.endswith(".provenance.json")]
+
+    def baselines(name: str) -> list[str]:
+        proc = plans[f"sharing:{name}"]
+        assert proc.returncode == 0, proc.stdout[-5000:]
+        return [dict(w)["baseline"] for r, w in planned_job_set(proc.stdout) if r == BASELINE[0]]
+
+    [new] = baselines("new_max_tokens")
+    assert new != built_key
+    assert {dict(w)["variant"] for r, w in planned_job_set(plans["sharing:new_max_tokens"].stdout)
+            if r == "acceptance"} == {"default", "v2"}
+    [own] = baselines("own_template")
+    assert own not in (built_key, new)
+    assert planned_ok(plans["sharing:own_template"]) >= {BASELINE, job("acceptance", variant="v3")}
+    assert job("acceptance", variant="default") not in planned_ok(plans["sharing:own_template"])
 
 
 UPSTREAM_VARIANTS = {
@@ -379,6 +422,15 @@ def test_generation_variant_runs_and_shares_what_is_equal(built, tmp_path):
     assert verification["lineage"] == {"stage_instances": dirs, "changed_settings": {"generation.max_tokens": 12}}
     assert verification["provenance"]["chain"]["intact"] and verification["provenance"]["chain"]["links_checked"] > 0
     assert dirs["traces"] in (r / "drafts/short/report/report.md").read_text()
+    # The variant's acceptance read the baseline the base run measured (same bytes: not measured
+    # again; the variant's eval prompts render as the base's): one baseline for both drafts.
+    [baseline] = [p for p in (r / "verify/baseline").glob("*.json") if not p.name.endswith(".provenance.json")]
+    for variant in ("default", "short"):
+        acceptance = json.loads((r / "drafts" / variant / "verify/acceptance.json").read_text())
+        assert acceptance["inputs"]["baseline"] == f"results/{RUN}/verify/baseline/{baseline.name}", variant
+        prov = json.loads((r / "drafts" / variant / "verify/acceptance.provenance.json").read_text())
+        assert prov["inputs"]["baseline"]["path"] == acceptance["inputs"]["baseline"], variant
+    assert len(list((r / "logs/acceptance_baseline").glob("*.log"))) == 1
     import pandas as pd
 
     table = pd.read_csv(r / "drafts/comparison.csv").set_index("variant")

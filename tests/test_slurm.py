@@ -48,7 +48,7 @@ LOCAL_RULES = {"all", "traces_gather", "hidden_states_gather", "compare_variants
 # The pipeline's GPU stages (the rules run through scripts/run_on_gpus.py) and the GPUs the
 # SLURM run gives them; training stays on the CPU here (train_draft.py refuses --gpus without
 # a CUDA device, and SLURM's fake GPUs are /dev/null clones).
-GPU_RULES = {"traces_shard", "hidden_states_shard", "load_check", "acceptance"}
+GPU_RULES = {"traces_shard", "hidden_states_shard", "load_check", "acceptance_baseline", "acceptance"}
 GPU_RESOURCES = {"traces": {"gpu": 1}, "hidden_states": {"gpu": 1}, "verify": {"gpu": 1}}
 # The chain's two halves: the rules the upstream run sends to SLURM (up to --until), and the
 # results/<run>/ folders they make, which seed the downstream run.
@@ -56,7 +56,7 @@ UPSTREAM_RULES = {"target", "prompts_train", "prompts_eval", "eval_suite", "trac
 UPSTREAM_UNTIL = ["tokenize", "eval_suite", "prompts_eval"]
 UPSTREAM_DIRS = {"target", "prompts", "eval_suites", "traces", "tokenized"}
 ALL_SUBMITTED_RULES = UPSTREAM_RULES | {"hidden_states_shard", "train_draft", "load_check", "contract_checks",
-                                        "acceptance", "report"}
+                                        "acceptance_baseline", "acceptance", "report"}
 # Artifacts whose bytes depend only on their inputs: equal in the SLURM run and the local one.
 DETERMINISTIC = ["target/model", "target/manifest.json", "prompts/train.jsonl", "prompts/eval.jsonl",
                  "traces/traces.jsonl", "tokenized/data", "tokenized/token_freq.pt", "tokenized/stats.json",
@@ -354,7 +354,7 @@ def test_pipeline_gpu_rules_ask_for_and_receive_gres(runs):
                 f"{rule} (job {sid}): no gres reached the job"
         else:
             assert "gres:gpu" not in shown, f"CPU rule {rule} (job {sid}) asked for a GPU:\n{shown}"
-    assert gpu_jobs == 6  # 2 trace shards, 2 hidden-state shards, load check, acceptance
+    assert gpu_jobs == 7  # 2 trace shards, 2 hidden-state shards, load check, acceptance baseline, acceptance
 
 
 def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
@@ -367,8 +367,8 @@ def test_pipeline_jobs_ran_inside_slurm_jobs(runs):
              if path.relative_to(runs.results).parts[0] not in UPSTREAM_DIRS]
     rules = sorted(json.loads(path.read_text())["rule"] for path, _ in made)
     assert rules == sorted(["target", "prompts_train", "prompts_eval", "eval_suite", "traces_gather", "tokenize",
-                            "hidden_states_gather", "train_draft", "contract_checks", "acceptance",
-                            "report"]), rules
+                            "hidden_states_gather", "train_draft", "contract_checks", "acceptance_baseline",
+                            "acceptance", "report"]), rules
     for path, submitted in made:
         record = json.loads(path.read_text())
         job = record.get("env", {}).get("SLURM_JOB_ID")

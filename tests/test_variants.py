@@ -4,6 +4,7 @@ sets each kind of variant adds after a finished run are in test_rebuilds.py."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import time
 
@@ -137,3 +138,12 @@ def test_measurement_renders_prompts_as_the_variant_generated_them(tmp_path, cfg
     commands = {m.group(1): m.group(0) for m in re.finditer(r"measure_acceptance\.py --settings '[^']*'.*?--draft results/\S+/drafts/([\w.-]+)/final", out)}
     assert '"chat_template_kwargs": {"enable_thinking": false}' in commands["no-think"]
     assert '"chat_template_kwargs": {}' in commands["default"]
+    # Its prompts render differently, so the run without speculation is its own: two baseline
+    # jobs, each with its variant's template arguments, each read by that variant's acceptance.
+    baselines = {m.group(2): m.group(1) for m in re.finditer(
+        r"measure_baseline\.py --settings '([^']*)'.*?--out (results/\S+/verify/baseline/\w+\.json)", out)}
+    assert len(baselines) == 2, out
+    used = dict(re.findall(r"--draft results/\S+/drafts/([\w.-]+)/final.*?--baseline (\S+)", out))
+    assert used["default"] != used["no-think"]
+    assert json.loads(baselines[used["no-think"]])["chat_template_kwargs"] == {"enable_thinking": False}
+    assert json.loads(baselines[used["default"]])["chat_template_kwargs"] == {}

@@ -478,20 +478,70 @@ def test_digest_checks_fail_when_the_target_changes_after_its_training_data(chec
 # Acceptance measured in real vLLM
 
 
-def measure(r: Path, out: Path, backend: str, draft: Path | None = None, env: dict | None = None) -> dict:
-    settings = {"backend": backend, "num_speculative_tokens": K, "num_prompts": EVAL_PROMPTS + 1,
-                "max_tokens": MAX_TOKENS, "dtype": "float32", "concurrency_one_prompts": 2,
-                "reasoning_parser": "deepseek_r1", "trust_remote_code": False}
-    proc = run_script("measure_acceptance.py", "--settings", json.dumps(settings), "--target", r / "target/model",
-                      "--draft", draft or r / "drafts/default/final", "--untrained", r / "drafts/default/untrained",
-                      "--prompts", r / "prompts/eval.jsonl", "--out", out, timeout=900, env=env)
+def measure_settings(backend: str) -> dict:
+    return {"backend": backend, "num_speculative_tokens": K, "num_prompts": EVAL_PROMPTS + 1,
+            "max_tokens": MAX_TOKENS, "dtype": "float32", "concurrency_one_prompts": 2,
+            "reasoning_parser": "deepseek_r1", "trust_remote_code": False}
+
+
+def measure_baseline(r: Path, out: Path, backend: str, env: dict | None = None) -> Path:
+    """The acceptance_baseline job's script: the target alone, on the same prompts."""
+    proc = run_script("measure_baseline.py", "--settings", json.dumps(measure_settings(backend)),
+                      "--target", r / "target/model", "--prompts", r / "prompts/eval.jsonl", "--out", out,
+                      timeout=900, env=env)
+    assert proc.returncode == 0
+    return out
+
+
+def measure(r: Path, out: Path, backend: str, baseline: Path, draft: Path | None = None,
+            env: dict | None = None) -> dict:
+    proc = run_script("measure_acceptance.py", "--settings", json.dumps(measure_settings(backend)),
+                      "--target", r / "target/model", "--draft", draft or r / "drafts/default/final",
+                      "--untrained", r / "drafts/default/untrained", "--prompts", r / "prompts/eval.jsonl",
+                      "--baseline", baseline, "--out", out, timeout=900, env=env)
     assert proc.returncode == 0
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def vllm_acceptance(run_dir) -> dict:
-    return measure(run_dir, run_dir / "drafts/default/verify/acceptance.json", "vllm")
+def vllm_baseline(run_dir, tmp_path_factory) -> Path:
+    return measure_baseline(run_dir, tmp_path_factory.mktemp("baseline") / "vllm.json", "vllm")
+
+
+@pytest.fixture(scope="module")
+def vllm_acceptance(run_dir, vllm_baseline) -> dict:
+    return measure(run_dir, run_dir / "drafts/default/verify/acceptance.json", "vllm", vllm_baseline)
+
+
+def test_baseline_of_other_settings_is_refused(run_dir, vllm_baseline, tmp_path):
+    """A baseline measured with another baseline-relevant setting does not compare: a clear
+    error naming the file and the setting, before any engine starts; nothing written."""
+    settings = {**measure_settings("vllm"), "max_tokens": MAX_TOKENS + 1}
+    proc = run_script("measure_acceptance.py", "--settings", json.dumps(settings), "--target", run_dir / "target/model",
+                      "--draft", run_dir / "drafts/default/final", "--untrained", run_dir / "drafts/default/untrained",
+                      "--prompts", run_dir / "prompts/eval.jsonl", "--baseline", vllm_baseline,
+                      "--out", tmp_path / "acceptance.json", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert str(vllm_baseline) in proc.stderr and "max_tokens" in proc.stderr, proc.stderr[-3000:]
+    assert "starting vLLM" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "acceptance.json").exists()
+
+
+def test_baseline_records_the_run_without_speculation(vllm_baseline, vllm_acceptance):
+    """The baseline file holds the no-speculation run the acceptance's greedy equality and
+    speedups were computed from, and its provenance; acceptance.json names the file."""
+    base = json.loads(vllm_baseline.read_text())
+    assert base["status"] == "ok" and base["backend"] == "vllm" and base["num_prompts"] == EVAL_PROMPTS
+    no_draft = base["no_draft"]
+    assert no_draft["batched"] and no_draft["global_block"] is None and len(no_draft["records"]) == EVAL_PROMPTS
+    assert len(no_draft["concurrency_one"]) == 2
+    t = vllm_acceptance["throughput"]
+    assert t["batch"]["without_draft"]["output_tokens"] == sum(len(r["token_ids"]) for r in no_draft["records"])
+    assert t["concurrency_1"]["without_draft"]["wall_s"] == round(no_draft["concurrency_one_wall_s"], 4)
+    assert vllm_acceptance["timing"]["engine_start_s"]["no_draft"] == no_draft["engine_start_s"]
+    assert vllm_acceptance["inputs"]["baseline"] == str(vllm_baseline)
+    prov = json.loads(vllm_baseline.with_name("vllm.provenance.json").read_text())
+    assert prov["rule"] == "acceptance_baseline" and set(prov["inputs"]) == {"target", "prompts"}
 
 
 def test_vllm_acceptance_metrics_present_and_consistent(vllm_acceptance):
@@ -561,7 +611,9 @@ def test_vllm_throughput_with_and_without_draft(vllm_acceptance):
 
 def test_transformers_backend_agrees_with_vllm(run_dir, vllm_acceptance, tmp_path):
     # One torch thread: spinning OpenMP threads cost several times more on the shared 2-core box.
-    hf = measure(run_dir, tmp_path / "acceptance.json", "transformers", env={"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": "1"}
+    baseline = measure_baseline(run_dir, tmp_path / "baseline.json", "transformers", env=env)
+    hf = measure(run_dir, tmp_path / "acceptance.json", "transformers", baseline, env=env)
     assert hf["status"] == "ok" and hf["backend"] == "transformers"
     for name in ("trained", "untrained"):
         ours, theirs = hf["acceptance"][name], vllm_acceptance["acceptance"][name]
@@ -632,7 +684,8 @@ def test_eval_prompts_missing_is_a_clear_error(run_dir, tmp_path):
     missing = tmp_path / "nope/eval.jsonl"
     proc = run_script("measure_acceptance.py", "--target", run_dir / "target/model",
                       "--draft", run_dir / "drafts/default/final", "--untrained", run_dir / "drafts/default/untrained",
-                      "--prompts", missing, "--out", tmp_path / "acceptance.json", check=False)
+                      "--prompts", missing, "--baseline", tmp_path / "baseline.json", "--out", tmp_path / "acceptance.json",
+                      check=False)
     assert proc.returncode == 2
     assert str(missing) in proc.stderr and "prompts_eval" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -640,7 +693,7 @@ def test_eval_prompts_missing_is_a_clear_error(run_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def unloadable(run_dir, tmp_path_factory) -> tuple[Path, dict]:
+def unloadable(run_dir, vllm_baseline, tmp_path_factory) -> tuple[Path, dict]:
     """A draft whose fc weight has the wrong shape: vLLM refuses it while loading weights."""
     d = tmp_path_factory.mktemp("unloadable")
 
@@ -648,7 +701,7 @@ def unloadable(run_dir, tmp_path_factory) -> tuple[Path, dict]:
         t["fc.weight"] = t["fc.weight"][:, :256]
 
     draft = planted_copy(run_dir / "drafts/default/final", d / "final", tensor_edit=tensors)
-    return draft, measure(run_dir, d / "acceptance.json", "vllm", draft=draft)
+    return draft, measure(run_dir, d / "acceptance.json", "vllm", vllm_baseline, draft=draft)
 
 
 def test_vllm_failing_to_load_the_draft_is_recorded(unloadable):
@@ -873,7 +926,7 @@ def test_bad_untrained_prompts_setting_is_a_clear_error(tmp_path, value):
     settings = {"backend": "vllm", "untrained_prompts": value}
     proc = run_script("measure_acceptance.py", "--settings", json.dumps(settings), "--target", tmp_path / "t",
                       "--draft", tmp_path / "d", "--untrained", tmp_path / "u", "--prompts", tmp_path / "p.jsonl",
-                      "--out", tmp_path / "acceptance.json", check=False)
+                      "--baseline", tmp_path / "b.json", "--out", tmp_path / "acceptance.json", check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "verify.untrained_prompts" in proc.stderr and "integer >= 1" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -16,7 +16,7 @@ from pipeline_lib.plan import format_plan, make_plan
 EXPECTED_JOBS_TEST = {
     "target": 1, "prompts_train": 1, "prompts_eval": 1, "traces_shard": 2, "traces_gather": 1,
     "tokenize": 1, "hidden_states_shard": 2, "hidden_states_gather": 1, "train_draft": 1,
-    "load_check": 1, "contract_checks": 1, "acceptance": 1, "report": 1, "compare_variants": 1, "all": 1,
+    "load_check": 1, "contract_checks": 1, "acceptance_baseline": 1, "acceptance": 1, "report": 1, "compare_variants": 1, "all": 1,
     "eval_suite": 1,  # the test config's one eval suite (verify.suites: code)
 }
 
@@ -82,7 +82,8 @@ def test_variants_add_only_their_own_jobs(tmp_path, test_config):
     jobs = planned_jobs((p := run_snakemake(tmp_path, test_config, "-n")).stdout + p.stderr)
     for rule in ("train_draft", "load_check", "contract_checks", "acceptance", "report"):
         assert jobs[rule] == 3, (rule, jobs)
-    for rule in ("target", "traces_gather", "tokenize", "hidden_states_gather"):
+    # ... and the target without speculation is measured once, for all three (same verify settings).
+    for rule in ("target", "traces_gather", "tokenize", "hidden_states_gather", "acceptance_baseline"):
         assert jobs[rule] == 1, (rule, jobs)
 
 

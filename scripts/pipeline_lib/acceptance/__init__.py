@@ -1,8 +1,10 @@
 """Acceptance of an EAGLE-3 draft: how many drafted tokens the target accepts under greedy
 speculative decoding, measured by a backend picked from BACKENDS.
 
-Interchangeable backends, one module each, registered in BACKENDS (name -> function
-`(spec, engine_script=...) -> ({run name: RunResult}, notes)`):
+Interchangeable backends, one module each, registered in BACKENDS (name -> Backend, two
+functions `(spec, engine_script=...)`): `no_draft`, the target alone, measured once by the
+acceptance_baseline job for every variant with the same BASELINE_KEYS settings (baseline.py:
+the file), and `drafts`, the trained and untrained drafts of one variant (acceptance job):
 
   vllm          vllm_backend.py: real vLLM serves the target with the draft as its EAGLE-3
                 speculator (engine counters + per-request verify steps)
@@ -10,7 +12,7 @@ Interchangeable backends, one module each, registered in BACKENDS (name -> funct
                 passes (batched.py), self-checked against step-by-step chain speculation
                 (chain.py); no vLLM needed
 
-Shared code: inputs.py (eval prompts, MeasureSpec), records.py (per-request verify steps ->
+Shared code: job.py (settings, prompts and spec of both jobs), inputs.py (eval prompts, MeasureSpec), records.py (per-request verify steps ->
 numbers, greedy equality, the registry), summary.py (the acceptance.json body), draft.py (the
 EAGLE-3 draft run as at inference). Every backend produces the same per-request step records,
 so the outputs have one schema.
@@ -18,7 +20,9 @@ so the outputs have one schema.
 from . import transformers_backend, vllm_backend  # noqa: F401  (each registers its backend)
 from .inputs import (DEFAULT_REASONING_END, REASONING_END_MARKERS, EvalPrompt, MeasureSpec,  # noqa: F401
                      answer_room, load_eval_prompts, reasoning_end_token_id)
-from .records import (BACKENDS, BackendFailure, RequestRecord, RunResult, acceptance_block,  # noqa: F401
+from .baseline import baseline_body, load_baseline  # noqa: F401
+from .job import BASELINE_KEYS, effective_settings, eos_token_ids, measure_spec, suite_files, suite_of  # noqa: F401
+from .records import (BACKENDS, Backend, BackendFailure, RequestRecord, RunResult, acceptance_block,  # noqa: F401
                       greedy_equality, per_category, per_span, register, request_steps, request_summaries,
                       step_span, steps_block, throughput_entry)
 from .summary import assemble  # noqa: F401

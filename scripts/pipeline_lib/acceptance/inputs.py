@@ -1,5 +1,5 @@
 """Inputs every acceptance backend reads: the eval prompts rendered with the target's chat
-template, and the MeasureSpec measure_acceptance.py builds once."""
+template, and the MeasureSpec each measurement job builds once."""
 from __future__ import annotations
 
 import sys
@@ -25,17 +25,17 @@ class EvalPrompt:
 
 @dataclass
 class MeasureSpec:
-    """Everything a backend needs; built once by measure_acceptance.py."""
+    """Everything a backend needs; built once per job (job.measure_spec)."""
 
     target: str
-    draft: str
-    untrained: str
     prompts: list[EvalPrompt]
     num_speculative_tokens: int
     max_tokens: int
     dtype: str
     concurrency_one_prompts: int
     eos_token_ids: list[int]
+    draft: str = ""       # the drafts' dirs: empty in the baseline job (the target alone)
+    untrained: str = ""
     untrained_prompts: int | None = None  # None = all; else that many, round-robin over categories
     reasoning_end_token_id: int | None = None
     context_limit: int | None = None     # the target's max_position_embeddings

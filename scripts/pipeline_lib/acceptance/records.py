@@ -5,6 +5,7 @@ schema."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -163,14 +164,37 @@ class BackendFailure(Exception):
         self.log_tail = log_tail or []
 
 
-# Backends by settings.backend value; each is called as BACKENDS[name](spec, engine_script=...)
-# and returns ({run name: RunResult}, notes). A new backend is one module that registers here.
-Backend = Callable[..., "tuple[dict[str, RunResult], list[str]]"]
+@dataclass
+class Backend:
+    """One backend's two measurements, each `(spec, engine_script=...)`:
+    `no_draft` -> (RunResult, notes): the target alone, greedy (the shared baseline job);
+    `drafts` -> ({"trained": RunResult, "untrained": RunResult}, notes): speculation with each draft."""
+
+    no_draft: Callable[..., "tuple[RunResult, list[str]]"] | None = None
+    drafts: Callable[..., "tuple[dict[str, RunResult], list[str]]"] | None = None
+
+
+# Backends by settings.backend value. A new backend is one module that registers both parts here.
 BACKENDS: dict[str, Backend] = {}
 
 
-def register(name: str) -> Callable[[Backend], Backend]:
-    def wrap(fn: Backend) -> Backend:
-        BACKENDS[name] = fn
+def register(name: str, part: str) -> Callable[[Callable], Callable]:
+    if part not in ("no_draft", "drafts"):
+        raise ValueError(f"backend part {part!r}: use no_draft or drafts")
+
+    def wrap(fn: Callable) -> Callable:
+        setattr(BACKENDS.setdefault(name, Backend()), part, fn)
         return fn
     return wrap
+
+
+def run_to_json(run: RunResult) -> dict[str, Any]:
+    return dataclasses.asdict(run)
+
+
+def run_from_json(data: dict[str, Any]) -> RunResult:
+    def records(rows):
+        return None if rows is None else [RequestRecord(**r) for r in rows]
+
+    return RunResult(**{**data, "records": records(data["records"]),
+                        "concurrency_one": records(data["concurrency_one"])})

@@ -1,7 +1,7 @@
 """Backend `vllm`: real vLLM serves the target with the draft as its EAGLE-3 speculator.
 
-Every engine configuration (trained draft, untrained draft, no speculation) runs in its own
-child process (one engine at a time, memory returned between them, vLLM's own error message
+Every engine configuration (trained draft, untrained draft; no speculation in the baseline
+job) runs in its own child process (one engine at a time, memory returned between them, vLLM's own error message
 captured if it cannot load the draft). Global numbers come from vLLM's spec-decode metrics
 (`llm.get_metrics()`); per-request numbers (categories, reasoning/answer spans) from vLLM's
 per-request detailed metrics, which list the accepted count of every verify step."""
@@ -91,29 +91,40 @@ def _records_from_engine(outputs: list[dict], prompts: list[EvalPrompt]) -> list
             for p, o in zip(prompts, outputs)]
 
 
-@register("vllm")
+def _engine_run(spec: MeasureSpec, engine_script: str, run: str, draft: str | None, concurrency_one: bool,
+                prompts: list[EvalPrompt]) -> RunResult:
+    res = _run_engine_child(engine_script, _engine_job(spec, draft, concurrency_one, prompts), run, spec)
+    k = spec.num_speculative_tokens
+    m = res["batch"]["metrics"]
+    block = None
+    if draft is not None:
+        per_pos = (m["accepted_per_pos"] + [0] * k)[:k]
+        block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
+    c1_res = res.get("concurrency_one")
+    return RunResult(
+        records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
+        global_block=block, batched=True, engine_start_s=res["engine_start_s"],
+        concurrency_one=_records_from_engine(c1_res["outputs"], spec.concurrency_one) if c1_res else None,
+        concurrency_one_wall_s=c1_res["wall_s"] if c1_res else None)
+
+
+@register("vllm", "no_draft")
+def measure_vllm_no_draft(spec: MeasureSpec, engine_script: str) -> tuple[RunResult, list[str]]:
+    """The target alone: the batch run and the concurrency-1 run."""
+    from ..runtime import vllm_engine_in_process
+
+    vllm_engine_in_process()  # decided here, inherited by the engine child (and in provenance)
+    return _engine_run(spec, engine_script, "no_draft", None, True, spec.prompts), []
+
+
+@register("vllm", "drafts")
 def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunResult], list[str]]:
     from ..runtime import vllm_engine_in_process
 
     vllm_engine_in_process()  # decided here, inherited by every engine child (and in provenance)
-    runs: dict[str, RunResult] = {}
-    # Trained first: if vLLM cannot load the draft we stop there (the others add nothing).
-    for run, draft, c1, prompts in (("trained", spec.draft, True, spec.prompts),
-                                    ("untrained", spec.untrained, False, spec.untrained_subset),
-                                    ("no_draft", None, True, spec.prompts)):
-        res = _run_engine_child(engine_script, _engine_job(spec, draft, c1, prompts), run, spec)
-        k = spec.num_speculative_tokens
-        m = res["batch"]["metrics"]
-        block = None
-        if draft is not None:
-            per_pos = (m["accepted_per_pos"] + [0] * k)[:k]
-            block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
-        c1_res = res.get("concurrency_one")
-        runs[run] = RunResult(
-            records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
-            global_block=block, batched=True, engine_start_s=res["engine_start_s"],
-            concurrency_one=_records_from_engine(c1_res["outputs"], spec.concurrency_one) if c1_res else None,
-            concurrency_one_wall_s=c1_res["wall_s"] if c1_res else None)
+    # Trained first: if vLLM cannot load the draft we stop there (the untrained one adds nothing).
+    runs = {"trained": _engine_run(spec, engine_script, "trained", spec.draft, True, spec.prompts),
+            "untrained": _engine_run(spec, engine_script, "untrained", spec.untrained, False, spec.untrained_subset)}
     notes = ["acceptance numbers are vLLM's spec-decode counters (vllm:spec_decode_*) over the batch run; "
              "categories and spans come from vLLM's per-request detailed metrics "
              "(per_request_spec_decode_metrics=detailed)"]
