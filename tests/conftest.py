@@ -39,6 +39,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# One thread per process: on these tiny models a second thread gains nothing (a trace shard:
+# 13.5 s with two, 13.8 s with one), while two processes with two OpenMP threads each on the
+# 2-core box spin against each other (19.5 s each instead of 13.8 s). Snakemake sets each job's
+# OMP_NUM_THREADS from its threads (TEST_RESOURCES), so two jobs run at once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _builder_key() -> str:
@@ -72,6 +77,11 @@ E2E_MIN_TAU = 1.5
 E2E_SECRETS = {"HF_TOKEN": "hf_e2eFakeSecretToken1234567890", "OPENAI_API_KEY": "sk-e2eFakeOpenAIKey0987654321"}
 
 
+# Every stage one thread: Snakemake (--cores 2) runs two independent jobs at once, e.g. both
+# trace shards, where a job asking for both cores would run alone.
+TEST_RESOURCES = {stage: {"threads": 1} for stage in ("default", "traces", "hidden_states", "train", "verify")}
+
+
 def base_test_config(tiny_target: Path) -> dict:
     """A complete config for the whole chain on the tiny target, sized for CI (2 cores)."""
     return {
@@ -93,6 +103,7 @@ def base_test_config(tiny_target: Path) -> dict:
                   "train_data_ratio": 0.85, "attn_impl": "sdpa", "loss_impl": "eager", "seed": 0,
                   "keep_last": 1, "select": "best", "num_workers": 0},
         "variants": {"default": {}},
+        "resources": copy.deepcopy(TEST_RESOURCES),
         "verify": {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": 8, "max_tokens": 32,
                    "dtype": "float32", "concurrency_one_prompts": 2,
                    # The untrained baseline on half of them (round-robin over categories), as the demo does.

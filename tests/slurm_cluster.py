@@ -46,9 +46,10 @@ NODE_MEM_MB = 160000   # not enforced (no cgroups); the pipeline's rules ask for
 MIN_JOB_AGE_S = 1800   # squeue (and scontrol, which the tests ask) keep finished jobs this long: >= 3x the status-check delay
 SLURMDBD_PORT = 6819   # SLURM's default
 DB_USER, DB_NAME = "slurm", "slurm_acct_db"
-# A cluster-wide count of 1: jobs asking for it (`--licenses=vllm`) run one at a time, queued by
-# SLURM itself, as GPU jobs would on a node with one GPU (the box's 2 cores take one vLLM engine).
-LICENSE = "vllm"
+# A cluster-wide count of 2: jobs asking for it (`--licenses=vllm`) run at most two at a time,
+# queued by SLURM itself, as GPU jobs would on a node with two GPUs (the box's 2 cores take two
+# one-thread vLLM engines; the tests' configs give every stage one thread).
+LICENSE, LICENSE_COUNT = "vllm", 2
 
 
 def _which(name: str) -> str | None:
@@ -136,7 +137,7 @@ class SlurmCluster:
             "ReturnToService=2",
             f"MinJobAge={MIN_JOB_AGE_S}",
             "GresTypes=gpu",
-            f"Licenses={LICENSE}:1",
+            f"Licenses={LICENSE}:{LICENSE_COUNT}",
             "SlurmdParameters=config_overrides",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEM_MB} "
             f"Gres=gpu:{NUM_GPUS} State=UNKNOWN",
@@ -379,19 +380,19 @@ def slurm_cluster():
 # --- Snakemake through the profile ----------------------------------------------------------
 
 
-def make_test_profile(source: Path, dest: Path, one_at_a_time: tuple[str, ...] = (), **overrides) -> Path:
+def make_test_profile(source: Path, dest: Path, licensed: tuple[str, ...] = (), **overrides) -> Path:
     """A copy of a SLURM profile with this cluster's partition/account and quick status checks.
 
     Every other key is kept as the user would get it, the status command (`sacct`, which this
     cluster's slurmdbd answers) included unless `overrides` names another. Jobs of the rules in
-    `one_at_a_time` ask for the cluster's single LICENSE."""
+    `licensed` ask for one of the cluster's LICENSE_COUNT LICENSEs."""
     profile = yaml.safe_load((source / "config.yaml").read_text())
     profile["default-resources"].update({"slurm_partition": PARTITION, "slurm_account": ACCOUNT,
                                          "mem_mb": 1000, "runtime": 10})
     for rule_resources in (profile.get("set-resources") or {}).values():
         if "slurm_partition" in rule_resources:
             rule_resources["slurm_partition"] = PARTITION
-    for rule in one_at_a_time:
+    for rule in licensed:
         profile.setdefault("set-resources", {}).setdefault(rule, {})["slurm_extra"] = f"--licenses={LICENSE}"
     profile.update({
         # The plugin waits this long before its first status check and after every check that

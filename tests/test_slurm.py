@@ -2,9 +2,9 @@
 
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
 placeholders and the first status-check delay are replaced (and the plugin's growing wait
-between status checks is capped at a few seconds: tests/slurm_snakemake.py), and the vLLM stages ask for the
-cluster's one `vllm` license, so SLURM runs them one at a time (the box's 2 cores take one vLLM
-engine; two at once crawl). The cluster has accounting (slurmdbd), so the pipeline's runs use
+between status checks is capped at a few seconds: tests/slurm_snakemake.py), and the vLLM stages ask for one of the
+cluster's two `vllm` licenses, so SLURM runs at most two at a time (the box's 2 cores take two
+one-thread vLLM engines; with two OpenMP threads each they spin against each other). The cluster has accounting (slurmdbd), so the pipeline's runs use
 the profile's `sacct` status command, the plugin's default; the throwaway workflow and the
 preemption use `squeue`, the profile's documented choice without slurmdbd.
 
@@ -217,8 +217,8 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     # the plugin (2.8.0) does not count as failed, so that run would wait forever.
     squeue_profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile-squeue",
                                        **{"slurm-status-command": "squeue"})
-    # The status command stays the shipped sacct; vLLM jobs queue for the one license.
-    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", one_at_a_time=tuple(GPU_RULES))
+    # The status command stays the shipped sacct; vLLM jobs queue for the licenses.
+    profile = make_test_profile(REPO / "profiles" / "slurm", root / "profile", licensed=tuple(GPU_RULES))
 
     gpu_dir = root / "gpu-wf"
     gpu_dir.mkdir()
@@ -226,7 +226,9 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     (gpu_dir / "Snakefile").write_text(GPU_SNAKEFILE.format(wrapper=str(REPO / "scripts" / "run_on_gpus.py"),
                                                             recorder=str(gpu_dir / "recorder.py")))
     config = copy.deepcopy(e2e.config)
-    config["resources"] = GPU_RESOURCES
+    # The e2e run's one thread per stage, plus a GPU for each GPU stage.
+    config["resources"] = {stage: {**config["resources"].get(stage, {}), **GPU_RESOURCES.get(stage, {})}
+                           for stage in config["resources"].keys() | GPU_RESOURCES.keys()}
     upstream_dir = root / "pipeline-upstream"
     upstream_cfg = write_config(upstream_dir, config)
     slurm_dir = root / "pipeline-slurm"
