@@ -142,6 +142,22 @@ def data_sentence(data: dict[str, Any]) -> str:
             + (" (later turns not asked)" if data.get("turns") == "first" and data.get("turns_dropped") else "") + ".")
 
 
+def measured_from_records(acceptance: dict, known: list[Path]) -> list[Path]:
+    """The records of what the acceptance job read besides the draft's own chain: the shared
+    no-speculation baseline (verify/baseline/<key>.provenance.json) and each eval suite's
+    prompts (eval_suites/<suite>/provenance.json), found next to the inputs it names."""
+    inputs = acceptance.get("inputs") or {}
+    paths = [Path(v) for v in inputs.values() if isinstance(v, str)]
+    paths += [Path(v) for v in (inputs.get("suites") or {}).values()]
+    seen, found = {q.resolve() for q in known}, []
+    for path in paths:
+        for record in (path.with_name(path.stem + ".provenance.json"), path.parent / "provenance.json"):
+            if record.exists() and record.resolve() not in seen:
+                seen.add(record.resolve())
+                found.append(record)
+    return found
+
+
 def provenance_summary(paths: list[Path]) -> tuple[list[dict], dict]:
     """One row per provenance file, and the chain check: each input digest against the output
     digest recorded upstream for the same path (links), and every recorded digest against the
@@ -597,6 +613,7 @@ def main() -> int:
     # The verification stages' own records sit next to their outputs.
     prov_paths += [q for q in (Path(args.contract).with_name("contract.provenance.json"),
                                Path(args.acceptance).with_name("acceptance.provenance.json")) if q.exists()]
+    prov_paths += measured_from_records(acceptance, prov_paths)
     prov_rows, chain = provenance_summary(prov_paths)
     prov_records = [read_json(q) for q in prov_paths if q.exists()]
 

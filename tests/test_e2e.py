@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pandas as pd
 
@@ -190,6 +191,13 @@ def test_provenance_chain_is_checked_and_a_tampered_artifact_is_named(e2e, tmp_p
     v = json.loads((r / "drafts/default/report/verification.json").read_text())
     chain = v["provenance"]["chain"]
     assert chain["intact"] is True and chain["links_checked"] >= 6 and chain["disk_checked"] > 0
+    # What the acceptance job measured against is in the chain too: the shared no-speculation
+    # baseline and the eval suite's prompts (acceptance.json's inputs name them).
+    inputs = json.loads((r / "drafts/default/verify/acceptance.json").read_text())["inputs"]
+    records = {row["file"]: row for row in v["provenance"]["records"]}
+    baseline = inputs["baseline"].removesuffix(".json") + ".provenance.json"
+    suite = str(Path(inputs["suites"]["code"]).with_name("provenance.json"))
+    assert records[baseline]["rule"] == "acceptance_baseline" and records[suite]["rule"] == "eval_suite", sorted(records)
     assert not chain["changed_on_disk"] and not chain["not_rehashed"]
     ok = subprocess.run([PY, str(SCRIPTS / "check_provenance.py"), str(r)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
