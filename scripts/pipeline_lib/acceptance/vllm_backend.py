@@ -58,6 +58,9 @@ def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool,
 
 def _run_engine_child(script: str, job: dict, run: str, spec: MeasureSpec) -> dict:
     """Run one engine configuration in a child process; its output goes to our log."""
+    from ..runtime import vllm_engine_in_process
+
+    vllm_engine_in_process()  # decided here, once: the child inherits it (and provenance records it)
     with tempfile.TemporaryDirectory(prefix="acceptance-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
@@ -111,17 +114,11 @@ def _engine_run(spec: MeasureSpec, engine_script: str, run: str, draft: str | No
 @register("vllm", "no_draft")
 def measure_vllm_no_draft(spec: MeasureSpec, engine_script: str) -> tuple[RunResult, list[str]]:
     """The target alone: the batch run and the concurrency-1 run."""
-    from ..runtime import vllm_engine_in_process
-
-    vllm_engine_in_process()  # decided here, inherited by the engine child (and in provenance)
     return _engine_run(spec, engine_script, "no_draft", None, True, spec.prompts), []
 
 
 @register("vllm", "drafts")
 def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunResult], list[str]]:
-    from ..runtime import vllm_engine_in_process
-
-    vllm_engine_in_process()  # decided here, inherited by every engine child (and in provenance)
     # Trained first: if vLLM cannot load the draft we stop there (the untrained one adds nothing).
     runs = {"trained": _engine_run(spec, engine_script, "trained", spec.draft, True, spec.prompts),
             "untrained": _engine_run(spec, engine_script, "untrained", spec.untrained, False, spec.untrained_subset)}
@@ -170,7 +167,7 @@ def run_engine_job(job: dict) -> dict:
     once) and the concurrency-1 run (one prompt at a time). Imports vLLM; caller guards main."""
     from ..runtime import has_cuda, vllm_engine_in_process
 
-    vllm_engine_in_process()
+    vllm_engine_in_process()  # the parent's choice, inherited; decides only when run by hand
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
