@@ -72,9 +72,11 @@ def prepare(model) -> None:
 
 def greedy_batch(model, input_ids, attention_mask, max_new: int, eos_ids: set[int], pad_id: int,
                  deadline: float | None = None) -> list[list[int]]:
-    """Greedy answers to one left-padded batch: per row the generated tokens up to and
-    including its eos, or max_new tokens, or fewer if time.monotonic() passed `deadline`
-    first (the caller treats such a row as timed out, as `generate`'s max_time)."""
+    """Greedy answers to one left-padded batch, as `generate` returns them: per row the tokens
+    of every step taken (pad_id after the row's eos; the caller cuts each row at its first eos):
+    max_new steps, fewer once every row stopped, or once time.monotonic() passed `deadline`
+    (the caller treats a row without eos and short of max_new as timed out, as `generate`'s
+    max_time)."""
     import time
 
     import torch
@@ -144,14 +146,13 @@ def greedy_batch(model, input_ids, attention_mask, max_new: int, eos_ids: set[in
                 break
             run()
             steps += 1
-        rows = generated[:, :steps].tolist()
-    return [_until_eos(row, eos_ids) for row in rows]
+        return generated[:, :steps].tolist()
 
 
 class _StopFlag:
     """`done.all()` read by the host without waiting for the GPU (CUDA): each poll reads the
     copy started by an earlier poll if it has landed, then starts a new one. A batch may run a
-    few steps past its last stop (their tokens are cut at each row's eos). On CPU: read now."""
+    few steps past its last stop (pad_id in every stopped row). On CPU: read now."""
 
     def __init__(self, done):
         import torch
@@ -174,8 +175,3 @@ class _StopFlag:
             self.copied = torch.cuda.Event()
             self.copied.record()
         return False
-
-
-def _until_eos(row: list[int], eos_ids: set[int]) -> list[int]:
-    stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
-    return row if stop is None else row[:stop + 1]
