@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -25,12 +26,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--eos-bias", type=float, default=5.0)
     args = p.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    # The engine in this process, as scripts/load_check.py runs it: no engine-core and worker
-    # processes to spawn (each imports torch and vLLM again); what is generated is the same.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The environment every pipeline job that loads a model sets up, and its choice of where
+    # vLLM's engine runs (in this process on CPU, as scripts/load_check.py runs it).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from pipeline_lib import runtime
+
+    runtime.setup()
+    runtime.vllm_engine_in_process(on_gpu_too=True)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
