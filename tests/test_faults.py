@@ -363,6 +363,57 @@ def test_kill_inside_acceptance(e2e, tmp_path):
     provenance_ok(r)
 
 
+def engine_children(parent: int) -> list[int]:
+    """Live processes whose parent is `parent` and whose command is an acceptance engine child."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and b"--engine-job" in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_to_an_acceptance_job_stops_its_vllm_engine_child(e2e, tmp_path):
+    """Snakemake and SLURM cancel a job with SIGTERM to its process, not its group. The
+    acceptance scripts run each vLLM engine in a child process: the job unwinds, stops the
+    child (which shuts its engine down), exits 143 and writes nothing
+    (acceptance/job.py: ran_as_engine_child). Without that, the child and its engine run on."""
+    r = e2e.results
+    record = json.loads(next((r / "verify" / "baseline").glob("*.provenance.json")).read_text())
+    settings = record["command"].split("--settings ", 1)[1].split(" --target ", 1)[0]  # what the rule passed
+    out, log = tmp_path / "baseline.json", tmp_path / "baseline.log"
+    proc = subprocess.Popen([PY, str(SCRIPTS / "measure_baseline.py"), "--settings", settings,
+                             "--target", str(r / "target/model"), "--prompts", str(r / "prompts/eval.jsonl"),
+                             "--out", str(out)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline, children = time.time() + 180, []
+        while time.time() < deadline and proc.poll() is None:
+            children = engine_children(proc.pid)
+            if children and "init engine (profile, create kv cache, warmup model) took" in log.read_text():
+                break
+            time.sleep(0.1)
+        assert children and proc.poll() is None, f"no running engine child to interrupt:\n{log.read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+        deadline = time.time() + 30
+        while any(Path(f"/proc/{c}").exists() for c in children) and time.time() < deadline:
+            time.sleep(0.1)
+        alive = [c for c in children if Path(f"/proc/{c}").exists()]
+        assert not alive, f"engine child {alive} still running after its job was cancelled"
+        assert not out.exists() and not list(tmp_path.glob(".*.tmp*")), sorted(p.name for p in tmp_path.iterdir())
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 # ------------------------------------------------------------------------------ make demo
 
 def test_make_demo_explains_a_stale_lock(tmp_path):
