@@ -40,9 +40,13 @@ export LOCK_HINT
 slurm:
 	@bash .ci/install_slurm.sh
 
+# Two test workers (pytest-xdist), one test file (or the group of files sharing the e2e run) at a
+# time each: most of a test's time is one process on one core (Python and Snakemake start-up, a
+# one-thread vLLM engine), so two at once keep both cores busy. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: env slurm
-	@echo "[test] running the test suite (tests/)"
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	@echo "[test] running the test suite (tests/) on $(TEST_WORKERS) workers"
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: env
 	$(SNAKEMAKE) --lint

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -52,10 +53,28 @@ def _builder_key() -> str:
 
 def build_target(preset: str) -> Path:
     out = CACHE / f"{preset}-target-{_builder_key()}"
-    if not (out / "config.json").exists():
-        subprocess.run([PY, str(SCRIPTS / "make_tiny_target.py"), "--out", str(out), "--preset", preset],
-                       check=True, capture_output=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # Test workers (pytest-xdist) start at once: one builds, the others wait and reuse it.
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").exists():
+            subprocess.run([PY, str(SCRIPTS / "make_tiny_target.py"), "--out", str(out), "--preset", preset],
+                           check=True, capture_output=True)
     return out
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """One pytest-xdist group per test file, so a file's module fixtures (a Snakemake run, a
+    vLLM server) are built once, on one worker; every file that inspects the shared e2e run
+    (fixture `e2e`) in one group "e2e", so that run is built once too, and first in line: it
+    is the longest group. Without xdist the markers do nothing."""
+    def module(item):
+        return item.path.stem
+
+    uses_e2e = {module(item) for item in items if "e2e" in item.fixturenames}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("e2e" if module(item) in uses_e2e else module(item)))
+    items.sort(key=lambda item: module(item) not in uses_e2e)  # stable: files keep their order
 
 
 @pytest.fixture(scope="session")
