@@ -43,10 +43,11 @@ slurm:
 # Two test workers (pytest-xdist), one test file (or the group of files sharing the e2e run) at a
 # time each: most of a test's time is one process on one core (Python and Snakemake start-up, a
 # one-thread vLLM engine), so two at once keep both cores busy. TEST_WORKERS=0: one process.
+# --timeout: a test that hangs fails after 20 minutes instead of holding the run.
 TEST_WORKERS ?= 2
 test: env slurm
 	@echo "[test] running the test suite (tests/) on $(TEST_WORKERS) workers"
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder --timeout 1200 $(PYTEST_ARGS)
 
 lint: env
 	$(SNAKEMAKE) --lint

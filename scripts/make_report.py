@@ -147,7 +147,7 @@ def measured_from_records(acceptance: dict, known: list[Path]) -> list[Path]:
     no-speculation baseline (verify/baseline/<key>.provenance.json) and each eval suite's
     prompts (eval_suites/<suite>/provenance.json), found next to the inputs it names."""
     inputs = acceptance.get("inputs") or {}
-    paths = [Path(v) for v in inputs.values() if isinstance(v, str)]
+    paths = [Path(inputs["baseline"])] if inputs.get("baseline") else []
     paths += [Path(v) for v in (inputs.get("suites") or {}).values()]
     seen, found = {q.resolve() for q in known}, []
     for path in paths:

@@ -62,19 +62,35 @@ def build_target(preset: str) -> Path:
     return out
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(config, items):
-    """One pytest-xdist group per test file, so a file's module fixtures (a Snakemake run, a
-    vLLM server) are built once, on one worker; every file that inspects the shared e2e run
-    (fixture `e2e`) in one group "e2e", so that run is built once too, and first in line: it
-    is the longest group. Without xdist the markers do nothing."""
-    def module(item):
-        return item.path.stem
+# The test files that inspect the shared e2e run (fixture `e2e`): one scheduling unit under
+# pytest-xdist, so that run is built once, on one worker (checked at collection below).
+E2E_FILES = {"test_e2e", "test_faults", "test_online_fp8", "test_secrets", "test_slurm", "test_suites",
+             "test_verify"}
 
-    uses_e2e = {module(item) for item in items if "e2e" in item.fixturenames}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("e2e" if module(item) in uses_e2e else module(item)))
-    items.sort(key=lambda item: module(item) not in uses_e2e)  # stable: files keep their order
+
+def pytest_collection_modifyitems(config, items):
+    """Every file that uses the e2e run is in E2E_FILES (else its tests could run on another
+    worker, which would build that run a second time); those files run first: as one unit
+    they are the longest."""
+    missing = sorted({item.path.stem for item in items if "e2e" in item.fixturenames} - E2E_FILES)
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: {', '.join(missing)} use the e2e fixture: add them to E2E_FILES")
+    items.sort(key=lambda item: item.path.stem not in E2E_FILES)  # stable: files keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers, each taking one test file at a time (its
+    module fixtures, a Snakemake run or a vLLM server, are built once), the E2E_FILES as one
+    unit. (xdist's own --dist loadgroup cannot: it renames node ids through an attribute
+    pytest 9 no longer has.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "e2e" if Path(path).stem in E2E_FILES else path
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

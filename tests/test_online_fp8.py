@@ -437,16 +437,16 @@ def test_server_that_never_gets_ready_fails_the_job_with_its_log(run, tmp_path):
     something) fails the job after server_start_timeout_s, with the end of its log."""
     out = tmp_path / "draft"
     work = out / "checkpoints" / "online-server"
-    proc, lines = _start(train_cmd(run, out, hs_settings={**ONLINE, "server_start_timeout_s": 20}))
+    # Long enough for the server to log its first lines while the other test worker runs too.
+    proc, lines = _start(train_cmd(run, out, hs_settings={**ONLINE, "server_start_timeout_s": 40}))
     _wait_for_line(proc, lines, "hidden-states server pid")
     pgid = server_pgid("".join(lines))
-    _wait_for(proc, work / "server.log", "a server log")
-    while not (work / "server.log").read_text().strip():
-        time.sleep(0.2)
+    _wait_for(proc, work / "server.log", "a line in the server's log",
+              done=lambda: bool((work / "server.log").read_text().strip()))
     os.killpg(pgid, signal.SIGSTOP)
     assert proc.wait(timeout=120) == 2
     log = "".join(lines)
-    assert "did not answer within hidden_states.server_start_timeout_s = 20 s" in log
+    assert "did not answer within hidden_states.server_start_timeout_s = 40 s" in log
     tail = log.split("its log ends with:\n", 1)[1]
     assert tail.strip() and tail.strip() in (work / "server.log").read_text(), tail  # vLLM's own last lines
     assert "Traceback" not in log.split("its log ends with:")[0]
