@@ -750,7 +750,10 @@ def test_report_files_and_self_contained_html(run_dir, vllm_acceptance, good_con
     assert v["training"]["selected_val"]["loss"] == pytest.approx(train_prov["val_loss"])
     chain = v["provenance"]["chain"]
     assert chain["intact"] is True and chain["links_checked"] > 0 and chain["disk_checked"] > 0
-    assert [p["rule"] for p in v["provenance"]["records"]] == ["target", "train_draft", "contract_checks", "acceptance"]
+    # The records passed, the verification stages' own, and the no-speculation baseline's
+    # (acceptance.json names it as an input).
+    assert [p["rule"] for p in v["provenance"]["records"]] == ["target", "train_draft", "contract_checks", "acceptance",
+                                                                "acceptance_baseline"]
     md = (tmp_path / "report/report.md").read_text()
     assert "How to read this report" in md and "| min_mean_acceptance_length |" in md
     assert "Skipped as longer than the target's context allows: long:0 (" in md
