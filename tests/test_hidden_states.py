@@ -292,6 +292,10 @@ def test_rerun_regenerates_only_bad_files(pipeline_run, workdir, tmp_path, input
     ours, theirs = store / ".hs_0.safetensors.4242-vllm.tmp", store / ".hs_4.safetensors.4242-vllm.tmp"
     for p in (ours, theirs, Path(f"{ours}.lock")):
         p.write_bytes(b"partial")
+    # A write killed in the current layout: its own directory, holding safetensors' temp file.
+    ours_dir = store / ".hs_0.safetensors.4243-vllm.tmp"
+    ours_dir.mkdir()
+    (ours_dir / ".tmpAbC123").write_bytes(b"partial")
     old = {i: (store / f"hs_{i}.safetensors").stat().st_mtime_ns for i in range(6)}
     time.sleep(0.01)
 
@@ -302,7 +306,7 @@ def test_rerun_regenerates_only_bad_files(pipeline_run, workdir, tmp_path, input
     assert (summary["reused"], summary["regenerated"]) == (1, 2)
     assert set(summary["invalid"]) == {"1", "2"}
     assert "unreadable" in summary["invalid"]["1"] and "token_ids" in summary["invalid"]["2"]
-    assert summary["removed_temp_files"] == 2 and not ours.exists() and theirs.exists()
+    assert summary["removed_temp_files"] == 3 and not ours.exists() and not ours_dir.exists() and theirs.exists()
     new = {i: (store / f"hs_{i}.safetensors").stat().st_mtime_ns for i in range(6)}
     assert new[0] == old[0] and all(new[i] == old[i] for i in (3, 4, 5))  # untouched
     assert new[1] != old[1] and new[2] != old[2]
@@ -337,7 +341,7 @@ def test_interrupted_or_invalid_write_leaves_no_final_file(tmp_path, monkeypatch
         store.commit(row, temp)
     assert not store.path(7).exists()
     assert store.check(row) == "missing"
-    assert store.clean_temps(range(7, 8)) == [temp.name]
+    assert store.clean_temps(range(7, 8)) == [temp.parent.name] and not temp.parent.exists()
 
     bad = good.clone()
     bad[0, 0, 0] = float("nan")

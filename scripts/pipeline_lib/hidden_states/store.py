@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +149,10 @@ def serialize_hs(row: Row, hidden_states, spec: LayerSpec) -> bytes:
 
 
 class HSStore:
-    """`root/hs_{row}.safetensors`, complete files only. Writers use the temp names
-    `.hs_{row}.safetensors.<tag>.tmp` (plus `.lock` from vLLM) and rename on success, so a
+    """`root/hs_{row}.safetensors`, complete files only. A backend writes each row into a
+    directory of its own, `.hs_{row}.safetensors.<tag>.tmp/`, and the file is renamed into
+    place on success: what the writer leaves beside its file stays in there (safetensors
+    writes through a `.tmpXXXXXX` file that it renames, vLLM's connector a `.lock`), so a
     killed job leaves temp names only; each shard removes those of its own rows."""
 
     def __init__(self, root: str | Path, spec: LayerSpec):
@@ -161,7 +164,10 @@ class HSStore:
         return self.root / hs_name(row)
 
     def temp_path(self, row: int, tag: str) -> Path:
-        return self.root / f".{hs_name(row)}.{tag}.tmp"
+        """Where a backend writes row `row` before commit(): a file in a fresh temp directory."""
+        scratch = self.root / f".{hs_name(row)}.{tag}.tmp"
+        scratch.mkdir(exist_ok=True)
+        return scratch / hs_name(row)
 
     def clean_temps(self, rows: range) -> list[str]:
         """Remove leftovers of interrupted writes for these rows (never other shards' rows)."""
@@ -172,7 +178,10 @@ class HSStore:
                 continue
             index = name[len(".hs_"):name.index(".safetensors.")]
             if index.isdigit() and int(index) in rows:
-                Path(entry.path).unlink(missing_ok=True)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:  # a temp file of atomic_write_bytes (transformers backend's write())
+                    Path(entry.path).unlink(missing_ok=True)
                 removed.append(name)
         return sorted(removed)
 
@@ -203,6 +212,8 @@ class HSStore:
         with open(temp, "rb") as f:  # durable before it gets its final name
             os.fsync(f.fileno())
         os.replace(temp, self.path(row.index))
+        if temp.parent != self.root:  # its temp directory (temp_path), now empty
+            shutil.rmtree(temp.parent, ignore_errors=True)
         return FileRecord(row.index, len(row.input_ids), len(data), _sha256(data))
 
     def _require_valid(self, row: Row, data: bytes, source: str) -> None:
