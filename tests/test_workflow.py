@@ -287,3 +287,17 @@ def test_variants_may_train_online_or_on_fp8_files(tiny_target, tmp_path):
     assert f"--hs-manifest {r}/{fp8_dir}/manifest.json" in fp8
     (base,) = command("train_draft.py", "drafts/default/")
     assert '{"mode": "offline"}' in base and f"--hs-manifest {r}/hidden_states/manifest.json" in base
+
+
+def test_resources_default_fills_what_a_stage_leaves_out(tmp_path, test_config):
+    """resources.default applies to every stage for the keys the stage's own section does not
+    set; the schema's defaults apply only where neither does. The dry-run plan shows what each
+    rule's jobs get."""
+    cfg = test_config
+    cfg["resources"] = {"default": {"threads": 1, "mem_mb": 1234, "runtime": 7},
+                        "traces": {"mem_mb": 999}, "train": {"threads": 3}}
+    proc = run_snakemake(tmp_path, cfg, "-n", "--quiet", "rules")
+    err = proc.stderr
+    assert re.search(r"traces_shard\s+x2\s+1 / 999 / 7 / 0", err), err[-3000:]
+    assert re.search(r"hidden_states_shard\s+x2\s+1 / 1234 / 7 / 0", err), err[-3000:]
+    assert re.search(r"train_draft\s+x1\s+3 / 1234 / 7 / 0", err), err[-3000:]
