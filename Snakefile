@@ -34,6 +34,13 @@ from pipeline_lib.secrets import refuse_credentials_in_config  # noqa: E402
 
 refuse_credentials_in_config(config)
 
+# Every local path the config names must exist before anything is planned: Snakemake keeps a
+# finished job whose changed input is missing, so a mistyped target.path would silently leave
+# the old target in place (pipeline_lib/config_paths.py).
+from pipeline_lib.config_paths import refuse_missing_paths  # noqa: E402
+
+refuse_missing_paths(config)
+
 
 include: "rules/target.smk"
 include: "rules/prompts.smk"
