@@ -177,7 +177,17 @@ def table(header: list[str], rows: list[list[str]]) -> str:
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def described(results: Path, pattern: str, known: dict) -> None:
+    """Every measured file of the kind has its run described here: a new run is not left out."""
+    for path in sorted(results.glob(pattern)):
+        stem = path.name.removesuffix(".acceptance.json")
+        if path.name not in known and stem not in known:
+            raise ValueError(f"{path}: no description of this run in scripts/make_docs.py (RECIPE_RUNS / "
+                             f"TRAIN_METRICS): add its date, configuration and file, then run `{COMMAND}`")
+
+
 def recipe_acceptance(results: Path) -> str:
+    described(results, "gpu-recipe-*.acceptance.json", RECIPE_RUNS)
     rows = []
     for stem, what in RECIPE_RUNS.items():
         name = f"{stem}.acceptance.json"
@@ -195,6 +205,7 @@ def recipe_acceptance(results: Path) -> str:
 
 
 def recipe_training(results: Path) -> str:
+    described(results, "gpu-recipe-*train_metrics.csv", TRAIN_METRICS)
     rows = []
     for name, stem in TRAIN_METRICS.items():
         metrics = pd.read_csv(results / name)

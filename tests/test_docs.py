@@ -82,6 +82,14 @@ def test_results_tables_recompute_the_recorded_figures():
     assert "1.89 (1.81-1.97)" in (make_docs.BENCH_RESULTS / "gpu-recipe-2026-12-04d.md").read_text()
 
 
+def test_a_measured_run_without_a_description_is_refused(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(make_docs.BENCH_RESULTS, results)
+    shutil.copy(results / "gpu-recipe-2026-12-04d.acceptance.json", results / "gpu-recipe-2026-12-05.acceptance.json")
+    with pytest.raises(ValueError, match=r"gpu-recipe-2026-12-05.acceptance.json: no description .*make docs"):
+        make_docs.recipe_acceptance(results)
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"[`*_]", lambda m: "_" if m.group(0) == "_" else "", heading.strip().lower())
