@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Rules call `python`: make it the venv's.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: env slurm demo unlock test lint dry-run plan check-provenance
+.PHONY: env slurm demo unlock test lint dry-run plan check-provenance docs
 
 env:
 	@bash scripts/setup_env.sh $(VENV)
@@ -25,7 +25,7 @@ demo: env
 unlock: env
 	$(SNAKEMAKE) --profile profiles/default --unlock
 
-# Printed by `make demo` when it failed and a Snakemake lock is present (README: Resuming).
+# Printed by `make demo` when it failed and a Snakemake lock is present (docs/faults.md: The lock).
 define LOCK_HINT
 [demo] Snakemake's lock stopped this run (.snakemake/locks): another snakemake run is working in
 [demo] this directory, or one was killed (kill -9, a closed session, a crashed node) and left its lock.
@@ -62,3 +62,8 @@ plan: env
 # Verify a finished results tree against the digests its provenance files recorded.
 check-provenance: env
 	$(PY) scripts/check_provenance.py results/$(or $(RUN),smollm2-135m-demo)
+
+# Regenerate docs/configuration.md (from schemas/config.schema.yaml) and the tables of docs/*.md
+# generated from bench/results/; tests/test_docs.py fails while a committed page is stale.
+docs: env
+	$(PY) scripts/make_docs.py

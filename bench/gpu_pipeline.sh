@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU stages through Snakemake on a GPU box (no vLLM needed: transformers backends) on a
-# random-weight 1B-class Llama, and the limits of the same box measured in the same run on the
+# The GPU stages through Snakemake on a GPU node (no vLLM needed: transformers backends) on a
+# random-weight 1B-class Llama, and the limits of the same node measured in the same run on the
 # same rows. Prints the table (stage, pipeline tok/s, limit tok/s, ratio) and writes it as
 # bench/.work/results/gpu-bench/table.{csv,json} (every underlying figure in the JSON).
 #   1. short rows (gpu_config.yaml: 2048 chitchat prompts, 128 new tokens): traces
@@ -8,7 +8,7 @@
 #      tokens): traces, tokenize, hidden states, training
 #   3. limits (bench/limits.py) on those runs' rows, then the table (bench/summarize_benchmarks.py)
 # Usage: bash bench/gpu_pipeline.sh [extra snakemake args]
-# Expects snakemake/speculators/datasets importable (a venv, or PYTHONPATH with carried wheels).
+# Expects snakemake/speculators/datasets importable (a venv, or PYTHONPATH with the wheels installed).
 # BENCH_SMOKE=1 runs the same flow on CPU with the tiny preset and small settings: what to try
 # before spending GPU time (it proves the wiring, not the speed).
 set -euo pipefail

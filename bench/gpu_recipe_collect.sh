@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Waits up to $1 seconds (default 540) for bench/gpu_recipe_box.sh's detached steps (until
-# /tmp/res/$2 exists, default DONE), then copies their logs and the run's small result files (no
-# hidden states, no checkpoints) to $OUT as recipe.tgz. Call it again in the next device call
-# (within the 30 s window) while steps.log shows steps still running.
+# Waits up to $1 seconds (default 540) for bench/gpu_recipe_box.sh's detached steps on the GPU
+# node (until /tmp/res/$2 exists, default DONE), then packs their logs and the run's small result
+# files (no hidden states, no checkpoints) into $OUT/recipe.tgz. Run it again while steps.log
+# shows steps still running.
 R=/tmp/repo/bench/.work/recipe/results/smollm2-135m-gpu-recipe
 end=$((SECONDS + ${1:-540}))
 while [[ ! -f /tmp/res/${2:-DONE} ]] && (( SECONDS < end )); do sleep 3; done

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-# issue 10: the transformers traces backend before this work, same short-row config, H200.
+# The transformers traces backend before its static-cache decoding (2026-12-03), same short-row config, H200.
 TRACES_BEFORE_TOK_S = 2018.0
 
 
