@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Rules call `python`: make it the venv's.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: env slurm demo unlock test lint dry-run plan check-provenance docs
+.PHONY: env slurm demo unlock test test-portable lint dry-run plan check-provenance docs
 
 env:
 	@bash scripts/setup_env.sh $(VENV)
@@ -48,6 +48,17 @@ TEST_WORKERS ?= 2
 test: env slurm
 	@echo "[test] running the test suite (tests/) on $(TEST_WORKERS) workers"
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder --timeout 1200 $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-portable
+
+# The tests marked `numerics` (they assert figures of trained drafts, which follow the CPU's
+# kernel path: AMX, AVX512-BF16 or AVX2 bf16 matmuls round differently) once more on a narrower
+# path than the machine's own: torch, oneDNN and vLLM's CPU kernels all capped to AVX2
+# (tests/kernel_path/sitecustomize.py). Each prints the figures it compared at the end.
+PORTABLE_ENV := PIPELINE_TEST_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	PYTHONPATH=$(abspath tests/kernel_path)
+test-portable: env
+	@echo "[test] the numerics tests again, CPU kernels capped to AVX2"
+	$(PORTABLE_ENV) $(PY) -m pytest tests -m numerics -n 0 --timeout 1200 $(PYTEST_ARGS)
 
 lint: env
 	$(SNAKEMAKE) --lint

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from conftest import E2E_MIN_TAU, E2E_SECRETS, PY, SCRIPTS, run_script, run_snakemake
 from make_tiny_target import ANSWER, REASONING
@@ -125,13 +126,17 @@ def test_load_check_ok_is_false_when_a_check_fails(e2e, tmp_path):
     assert "load check FAILED" in proc.stderr and "verifier path resolves to" in proc.stderr
 
 
-def test_trained_draft_beats_untrained_baseline_and_the_threshold(e2e):
+@pytest.mark.numerics
+def test_trained_draft_beats_untrained_baseline_and_the_threshold(e2e, report_figures):
     v = json.loads((e2e.results / "drafts/default/report/verification.json").read_text())
     assert v["verdict"]["passed"] is True, v["verdict"]
     assert v["contract"]["passed"] is True
     acc = v["acceptance"]["acceptance"]
     trained = acc["trained"]["mean_acceptance_length"]
     untrained = acc["untrained"]["mean_acceptance_length"]
+    report_figures("e2e draft vs untrained and the report's bar", {
+        "trained_tau": trained, "untrained_tau": untrained, "bar": E2E_MIN_TAU,
+        "trained_rates": acc["trained"]["acceptance_rate_per_position"]})
     assert trained > untrained, (trained, untrained)
     # The test config's bar can fail: the untrained draft (same architecture, no training)
     # stays below it, and with fail_below_threshold the build would fail on it.

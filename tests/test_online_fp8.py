@@ -49,19 +49,17 @@ ONLINE = {"mode": "online", "storage": "bf16", "aux_layer_ids": None, "dtype": "
 VARIANTS = {"fp8": {"hidden_states": {"storage": "fp8", "num_shards": 1}},
             "online": {"hidden_states": {"mode": "online"}}}
 TOL_FP8_REL = 0.06       # per-token relative L2 error of dequantized fp8 vs bf16 (e4m3: 3 mantissa bits)
-# Each variant against the e2e (offline bf16) draft: same data, seed and eval prompts. Measured
-# on the CPU box (2026-12-04): online identical in every figure (the same vLLM extraction, one
-# request at a time instead of batched); fp8 +0.044 / +0.025 / +0.050 in validation accuracy and
-# -0.31 in mean acceptance length (2.02 vs 2.33; position rates -0.04 / -0.23 / -0.05). At this
-# size a 3% perturbation of the states moves acceptance that much: the eval prompts all decode
-# the same 20 tokens (one sequence, 9 drafts a prompt) and the validation split is 160 tokens.
-# So validation accuracy is the fine check (a position collapsing to 0 fails it: the reference
-# has 0.13 at position 2) and acceptance the coarse one (a draft that gives back half its gain
-# over the untrained draft's 1.0, or a collapsed position 0 or 1, fails it). Seen with a planted
-# bug (the CPU connector writing the layers in reverse order, both variants): accuracy moved
-# beyond tolerance (fp8 +0.12 at position 1, online +0.056 at position 0) and failed both tests;
-# acceptance did not (2.19 / 2.48): this target's drafts predict its fixed answer from the
-# tokens, so its acceptance barely depends on the hidden states.
+# Each variant against the e2e (offline bf16) draft: same data, seed and eval prompts. The e2e
+# draft trains to saturation (5 epochs: validation accuracy 1.0 / 0.95 / 0.9, mean acceptance
+# length 3.94-4.0 over seeds 0-2 on two CPU kernel paths: bench/results/kernel-paths-*.json), and
+# so do both variants: on the CPU box (2026-12-04, AVX512-BF16) fp8 and online measured the same
+# figures as offline bf16 to the last digit. At 2 epochs the same draft sat on the steep part of
+# its learning curve, where a CPU's kernel path or the seed alone moved acceptance from 1.68 to
+# 2.33 (position 1's rate 0.09-0.33): a guard tuned on one machine failed on another (an AMX
+# machine measured 1.94 with 0.19 at position 1 against the guard's 0.3). The tolerances are
+# what fp8's 3-mantissa-bit states moved at 2 epochs (+0.05 in validation accuracy, -0.31 in
+# acceptance); each figure of the reference must exceed its tolerance, so a position that
+# collapses to 0 fails the comparison.
 TOL_VAL_ACC = {"fp8": 0.08, "online": 0.02}
 TOL_ACCEPTANCE = {"fp8": 0.5, "online": 0.5}             # mean acceptance length (k = 3)
 TOL_ACCEPTANCE_RATE = {"fp8": 0.3, "online": 0.3}        # each position's acceptance rate
@@ -128,17 +126,26 @@ def figures(r: Path, variant: str) -> dict[str, float]:
     return {**val_acc(r / "drafts" / variant), "mean_acceptance_length": acc["mean_acceptance_length"], **rates}
 
 
-def assert_matches_offline_bf16(r: Path, variant: str) -> None:
+def tolerance(variant: str, figure: str) -> float:
+    return (TOL_VAL_ACC[variant] if figure.startswith("val_acc") else
+            TOL_ACCEPTANCE[variant] if figure == "mean_acceptance_length" else TOL_ACCEPTANCE_RATE[variant])
+
+
+def beyond_tolerance(got: dict[str, float], ref: dict[str, float], variant: str) -> tuple[list[str], list[str]]:
+    """(figures where the reference is too weak for its tolerance to see a collapse to 0 -
+    tau to 1 -, figures where `got` differs from the reference beyond tolerance)."""
+    floor = {"mean_acceptance_length": 1.0}
+    weak = [k for k, v in ref.items() if v - floor.get(k, 0.0) <= tolerance(variant, k)]
+    return weak, [k for k in ref if abs(got[k] - ref[k]) > tolerance(variant, k)]
+
+
+def assert_matches_offline_bf16(r: Path, variant: str, report_figures: Callable[[str, dict], None]) -> None:
     """`variant`'s draft against the e2e draft (offline bf16), within the stated tolerances."""
     got, ref = figures(r, variant), figures(r, "default")
     diff = {k: round(got[k] - ref[k], 4) for k in ref}
-    print(f"\n{variant}: {got}\noffline bf16: {ref}\ndifference: {diff}")
-    # The reference must be good enough for the tolerances to catch a collapse.
-    assert ref["val_acc_2"] > TOL_VAL_ACC[variant] and ref["mean_acceptance_length"] - 1 > TOL_ACCEPTANCE[variant] \
-        and ref["acceptance_rate_1"] > TOL_ACCEPTANCE_RATE[variant], f"the reference draft is too weak: {ref}"
-    bad = [k for k, d in diff.items()
-           if abs(d) > (TOL_VAL_ACC[variant] if k.startswith("val_acc") else
-                        TOL_ACCEPTANCE[variant] if k == "mean_acceptance_length" else TOL_ACCEPTANCE_RATE[variant])]
+    report_figures(f"{variant} draft vs the offline bf16 draft", {variant: got, "offline_bf16": ref, "difference": diff})
+    weak, bad = beyond_tolerance(got, ref, variant)
+    assert not weak, f"the reference draft is too weak in {weak} to catch a collapse: {ref}"
     assert not bad, f"{variant} differs from offline bf16 beyond tolerance in {bad}: {diff}"
 
 
@@ -240,10 +247,23 @@ def test_fp8_draft_trains_through_speculators_fp8_transfer(variants):
     assert contract["passed"] is True, contract
 
 
-def test_fp8_draft_matches_bf16_in_accuracy_and_acceptance(variants):
+@pytest.mark.numerics
+def test_fp8_draft_matches_bf16_in_accuracy_and_acceptance(variants, report_figures):
     """The fp8 draft against the bf16 one: every validation accuracy, the mean acceptance length
     and each position's acceptance rate (acceptance job, same eval prompts) within tolerance."""
-    assert_matches_offline_bf16(variants["r"], "fp8")
+    assert_matches_offline_bf16(variants["r"], "fp8", report_figures)
+
+
+@pytest.mark.numerics
+def test_a_collapsed_figure_fails_the_comparison(variants):
+    """The comparison above can fail: the real reference against itself with any one figure
+    collapsed (a position's accuracy or acceptance rate to 0, tau to 1) is caught."""
+    ref = figures(variants["r"], "default")
+    for variant in ("fp8", "online"):
+        assert beyond_tolerance(ref, ref, variant) == ([], [])
+        for k in ref:
+            collapsed = {**ref, k: 1.0 if k == "mean_acceptance_length" else 0.0}
+            assert beyond_tolerance(collapsed, ref, variant)[1] == [k], (variant, k, ref)
 
 
 def test_fp8_store_rerun_regenerates_files_of_the_wrong_format(variants, tf8, tmp_path):
@@ -359,10 +379,11 @@ def test_online_variant_runs_through_snakemake(variants):
     assert contract["passed"] is True, contract
 
 
-def test_online_draft_matches_offline_in_accuracy_and_acceptance(variants):
+@pytest.mark.numerics
+def test_online_draft_matches_offline_in_accuracy_and_acceptance(variants, report_figures):
     """Same data, seed and vLLM extraction as the e2e draft (offline, batched; online, one
     request at a time): the same accuracy and acceptance within tolerance."""
-    assert_matches_offline_bf16(variants["r"], "online")
+    assert_matches_offline_bf16(variants["r"], "online", report_figures)
 
 
 def _wait_for(proc: subprocess.Popen, path: Path, what: str, timeout: float = 300,
