@@ -47,6 +47,7 @@ from pipeline_lib.io import (append_jsonl_durable, atomic_dir, atomic_write_byte
                              atomic_write_json, atomic_write_text, read_json, reporting_disk_full,
                              require_free_space)
 from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.training import checkout  # noqa: E402
 
 SECTION = "train"
 METRICS_LOG = "metrics.jsonl"          # per-epoch train/val metrics, appended across resumes
@@ -555,6 +556,7 @@ def run_trainer(argv: list[str], on_cpu: bool) -> None:
     CPU shims when there is no GPU. Call install_logging() first."""
     if on_cpu:
         speculators_cpu.apply()
+    checkout.suppress_patch()
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig
 
@@ -758,6 +760,9 @@ def main() -> int | None:
         f"device {'cpu' if on_cpu else 'cuda'}, launch {mode}")
 
     ckpt, target, data = Path(args.checkpoints), Path(args.target), Path(args.data)
+    trainer_checkout = checkout.checkout_state()
+    for stale in checkout.remove_patches(ckpt):  # an earlier speculators run's diff of uncommitted edits
+        log(f"removed {stale}")
     resumed_after = prepare_checkpoints(ckpt, trajectory_fingerprint(settings, inputs, source.fingerprint()),
                                         settings.epochs, settings.extend_epochs)
     d2t, t2d = write_vocab_maps(Path(args.token_freq) if args.token_freq else data / "token_freq.pt",
@@ -806,7 +811,7 @@ def main() -> int | None:
         inputs_used["hs_manifest"] = args.hs_manifest
     prov.write(args.provenance, inputs=inputs_used, outputs=outputs,
                selected_epoch=selected, best_epoch=best, resumed_after_epoch=resumed_after,
-               training_history=training_history(ckpt),
+               training_history=training_history(ckpt), trainer_checkout=trainer_checkout,
                train_wall_s=round(train_s, 3), aux_layer_ids=inputs.aux_layer_ids,
                draft_vocab_size=settings.draft_vocab_size, checkpoints=pruned, trainer_argv=argv,
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},

@@ -7,6 +7,7 @@ dataset built here (chat-templated chitchat conversations, loss on assistant tur
 as R/{target,tokenized,hidden_states} in docs/artifacts.md."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, SCRIPTS, run_script, small_disk
+from conftest import PY, REPO, SCRIPTS, run_script, small_disk
 from pipeline_lib import launch, speculators_cpu
 from pipeline_lib.assets import resolve_asset
 from pipeline_lib.errors import PipelineError
@@ -307,6 +308,46 @@ def test_torchrun_worker_path_trains_on_cpu_with_two_gloo_processes(trained, hs_
 def test_secrets_stay_out_of_provenance_and_log(trained):
     assert SECRET not in (trained["out"] / "provenance.json").read_text()
     assert SECRET not in trained["second"].stdout + trained["second"].stderr
+
+
+PLANTED = ("hf_plantedSecretInAnEdit1234567890", "sk-plantedKeyInAStagedFile0987654321")
+
+
+def test_uncommitted_edits_and_their_credentials_stay_out_of_checkpoints(hs_run, tmp_path):
+    """speculators writes `git diff HEAD` of the checkout its package lives in (with `make env`,
+    the pipeline's own: .venv is inside it) into the checkpoints as speculators.patch, so a
+    user's uncommitted edits, credentials included, would travel with every draft. Here the
+    package is imported from a dirty clone holding planted credentials, and an earlier run's
+    patch lies in the checkpoints: no file under the job's outputs holds them afterwards, and
+    provenance records that checkout's commit and the digest of its diff."""
+    from test_secrets import files_holding
+
+    clone = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{REPO}", str(clone)], check=True, timeout=120)
+    with open(clone / "config.yaml", "a") as f:  # an edit of a tracked file
+        f.write(f"\n# HF_TOKEN={PLANTED[0]}\n")
+    (clone / "local.env").write_text(f"OPENAI_API_KEY={PLANTED[1]}\n")  # a new file, staged
+    subprocess.run(["git", "-C", str(clone), "add", "local.env"], check=True)
+    import speculators
+
+    site = clone / ".venv" / "lib" / "site-packages"  # .venv is ignored: not part of the diff
+    shutil.copytree(Path(speculators.__file__).parent, site / "speculators",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    diff = subprocess.run(["git", "-C", str(clone), "diff", "HEAD"], capture_output=True, check=True).stdout
+    assert all(s.encode() in diff for s in PLANTED)
+
+    out = tmp_path / "draft"
+    (out / "checkpoints").mkdir(parents=True)  # what speculators left in an earlier run's checkpoints
+    (out / "checkpoints" / "speculators.patch").write_bytes(diff)
+    run_script("train_draft.py", *train_args(hs_run, SETTINGS, out), timeout=600,
+               env={"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert files_holding(out, *PLANTED) == []
+    assert not list(out.rglob("speculators.patch"))
+    prov = json.loads((out / "provenance.json").read_text())
+    head = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert prov["trainer_checkout"] == {"path": str(clone.resolve()), "commit": head, "dirty": True,
+                                        "diff_sha256": hashlib.sha256(diff).hexdigest()}
 
 
 def _epoch(ckpt: Path, n: int, complete: bool = True, validated: bool = True) -> Path:

@@ -1,0 +1,1 @@
+"""train_draft.py's parts, one module per concern."""
