@@ -265,7 +265,7 @@ def collect(args, cache: Path) -> tuple[list[tuple[Path, str, str]], dict]:
             (wheel,) = [w for w in dest.glob("*.whl") if dist_of(w.name) == (name, version)]
             if not wheel.name.endswith("-none-any.whl"):
                 raise BundleError(f"{req}: {sdist.name} built {wheel.name}, a wheel for this machine only; "
-                                  f"find a binary wheel for the node and list it in {args.requirements or 'a pin file'}")
+                                  f"pin a binary wheel built for the node in the --requirements file instead")
             items.append((wheel, f"wheels/{wheel.name}", "wheel"))
     for req in args.assets:
         note_input(req)
@@ -314,13 +314,13 @@ def git_source(repo: Path) -> tuple[bytes, dict]:
 
 
 def pack(args) -> int:
+    if args.dry_run:
+        return dry_run(args)
     out: Path = args.out
     if out.exists():
         raise BundleError(f"--out {out} exists; a bundle is never overwritten: remove it or choose another folder")
     cache = args.download_dir
     cache.mkdir(parents=True, exist_ok=True)
-    if args.dry_run:
-        return dry_run(args)
     items, built_from = collect(args, cache)
     source = git_source(args.source) if args.source else None
     if not items and not source:
@@ -533,6 +533,9 @@ def install(dest: Path, manifest: dict, python: str, venv: Path | None, target: 
         if not (venv / "bin" / "python").exists():
             run([python, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], "creating the venv")
         interpreter, pip_args = str(venv / "bin" / "python"), pip_args + ["--force-reinstall"]
+        if subprocess.run([interpreter, "-c", "import pip"], capture_output=True).returncode:
+            raise BundleError(f"{python} has no pip that a venv with its system site-packages sees; "
+                              f"rerun with --target DIR (installs with `{python} -m pip --target`)")
         sdist_root = venv / "share" / "pypi-sdists"
     else:
         interpreter, pip_args = python, pip_args + ["--upgrade", "--target", str(target)]
