@@ -130,7 +130,10 @@ def test_unpack_installs_into_a_venv_with_no_index(packed, inputs, tmp_path):
     assert "VLLM_USE_FLASHINFER_SAMPLER" in (dest / "env.sh").read_text()
     # Run again: the stamps say it is done; nothing is redone or overwritten.
     again = bundle("unpack", packed, "--dest", dest)
-    assert "already holds this bundle" in again.stdout and "installing" not in again.stdout
+    assert "already holds this bundle" in again.stdout and "installed" not in again.stdout
+    # An install that stopped before its stamp is not trusted: the next run installs again.
+    (dest / "venv" / ".offline-bundle.json").unlink()
+    assert "installed 1 wheels" in bundle("unpack", packed, "--dest", dest).stdout
 
 
 def test_unpack_into_a_target_dir_and_env_script(packed, tmp_path):
@@ -197,6 +200,8 @@ def test_pack_refuses_an_unpinned_requirement_and_an_existing_out(tmp_path):
     reqs.write_text("# node wheels\nvllm==0.26.0\nfastapi<0.137\n")
     proc = bundle("pack", "--out", tmp_path / "b", "--requirements", reqs, "--download-dir", tmp_path / "c", check=False)
     assert proc.returncode == 2 and f"{reqs}:3: 'fastapi<0.137' is not pinned" in proc.stderr
+    plan = bundle("pack", "--out", tmp_path / "b", "--dry-run", "--wheel", reqs).stdout
+    assert f"{reqs.stat().st_size / 1e6:10.2f} MB  node.txt" in plan and not (tmp_path / "b").exists()
     (tmp_path / "b").mkdir()
     proc = bundle("pack", "--out", tmp_path / "b", "--wheel", reqs, check=False)
     assert proc.returncode == 2 and "exists; a bundle is never overwritten" in proc.stderr
