@@ -61,10 +61,16 @@ def inputs(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def packed(inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundle-out") / "bundle"
-    bundle("pack", "--out", out, "--name", NAME, "--part-size", "64KiB", "--wheel", inputs["wheel"],
+    bundle("pack", "--out", out, "--name", NAME, "--part-size", "64KiB", "--compression", "xz", "--wheel", inputs["wheel"],
            "--sdist", inputs["sdist"], "--target-dir", inputs["target"], "--source", REPO,
            "--env", "VLLM_USE_FLASHINFER_SAMPLER=0", "--download-dir", out.parent / "cache")
     return out
+
+
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def manifest_of(folder: Path) -> dict:
@@ -85,6 +91,7 @@ def test_parts_have_the_size_and_digests_the_manifest_names(packed, inputs):
     for part in parts[:-1]:
         assert (packed / part["name"]).stat().st_size == part["size"] == PART
     assert 0 < (packed / parts[-1]["name"]).stat().st_size == parts[-1]["size"] <= PART
+    assert packed.stat().st_mode & 0o777 == 0o777 & ~current_umask()
     for part in parts:
         assert sha256(packed / part["name"]) == part["sha256"]
     whole = hashlib.sha256(b"".join((packed / p["name"]).read_bytes() for p in parts)).hexdigest()
