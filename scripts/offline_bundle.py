@@ -545,10 +545,23 @@ def install(dest: Path, manifest: dict, python: str, venv: Path | None, target: 
     for f in manifest["files"]:
         if f["kind"] == "sdist-asset":
             unpack_sdist(dest / f["path"], sdist_root)
+    report_unmet(interpreter, target, dest / "pip-check.txt")
     (env_root / STAMP).write_text(json.dumps({"archive_sha256": manifest["archive"]["sha256"],
                                               "name": manifest["name"]}) + "\n")
     print(f"[bundle] installed {len(wheels)} wheels into {env_root}")
     return env_root
+
+
+def report_unmet(interpreter: str, target: Path | None, out: Path) -> None:
+    """`pip check` over what the env now sees: --no-deps installs exactly the pinned set, so
+    this is where a dependency that the node's image lacks and the pin file forgot shows up."""
+    env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}") if target else None
+    proc = subprocess.run([interpreter, "-m", "pip", "check"], text=True, capture_output=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if "requires" in line or "has requirement" in line]
+    out.write_text("\n".join(lines) + "\n")
+    if lines:
+        print(f"[bundle] note: pip check lists {len(lines)} unmet requirements ({out}); vLLM runs without several "
+              f"(FlashInfer, extras), but a module that fails to import is listed there: pin it and pack again")
 
 
 def unpack_sdist(archive: Path, root: Path) -> None:

@@ -44,7 +44,7 @@ def inputs(tmp_path_factory) -> dict:
     (project / "bundle_probe" / "blob.bin").write_bytes(os.urandom(150_000))
     (project / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "bundle-probe"\nversion = "0.1"\n'
+        '[project]\nname = "bundle-probe"\nversion = "0.1"\ndependencies = ["bundle-missing-dep"]\n'
         '[tool.setuptools]\npackages = ["bundle_probe"]\n'
         '[tool.setuptools.package-data]\nbundle_probe = ["*.bin"]\n')
     subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
@@ -117,6 +117,9 @@ def test_unpack_installs_into_a_venv_with_no_index(packed, inputs, tmp_path):
     dest = tmp_path / "node"
     proc = bundle("unpack", packed, "--dest", dest)
     assert "parts checked" in proc.stdout
+    # --no-deps installs the set as pinned; what it lacks is reported, not fetched.
+    assert "bundle-probe 0.1 requires bundle-missing-dep" in (dest / "pip-check.txt").read_text()
+    assert "pip check lists" in proc.stdout
     python = dest / "venv" / "bin" / "python"
     probe = subprocess.run([str(python), "-c", "import bundle_probe, sys; print(bundle_probe.VALUE); "
                             "print(bundle_probe.__file__); print(sys.prefix)"],
