@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import lzma
 import os
@@ -297,7 +296,8 @@ def collect(args, cache: Path) -> tuple[list[tuple[Path, str, str]], dict]:
     return items, built_from
 
 
-def git_source(repo: Path) -> tuple[bytes, dict]:
+def git_source(repo: Path) -> dict:
+    """The commit `git archive` packs; uncommitted changes are not in it (said, and recorded)."""
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *a], check=True, text=True, capture_output=True).stdout.strip()
     try:
@@ -305,9 +305,19 @@ def git_source(repo: Path) -> tuple[bytes, dict]:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (subprocess.CalledProcessError, FileNotFoundError) as err:
         raise BundleError(f"--source {repo}: not a git checkout ({err}); give the pipeline's repository root")
-    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit], check=True,
-                             capture_output=True).stdout
-    return archive, {"git_commit": commit, "git_dirty": dirty}
+    if dirty:
+        print(f"[bundle] note: {repo} has uncommitted changes; the bundle carries commit {commit[:12]} without them")
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def git_archive(repo: Path, commit: str, consume) -> None:
+    """Stream `git archive` of `commit` into consume(stdout) without holding it in memory."""
+    with subprocess.Popen(["git", "-C", str(repo), "archive", "--format=tar", commit], stdout=subprocess.PIPE) as proc:
+        consume(proc.stdout)
+        while proc.stdout.read(CHUNK):  # the padding after the end-of-archive marker
+            pass
+    if proc.returncode:
+        raise BundleError(f"git archive {commit} in {repo} failed (exit {proc.returncode})")
 
 
 def pack(args) -> int:
@@ -335,7 +345,7 @@ def pack(args) -> int:
             for path, arcname, kind in items:
                 packer.add_file(path, arcname, kind)
             if source:
-                packer.add_tar_members(io.BytesIO(source[0]), "source", "source")
+                git_archive(args.source, source["git_commit"], lambda out: packer.add_tar_members(out, "source", "source"))
         stream.close()
         writer.close()
         files = packer.files
@@ -350,7 +360,7 @@ def pack(args) -> int:
             "node": {"python_version": args.python_version, "implementation": args.implementation,
                      "platforms": args.platform or NODE_PLATFORMS},
             "env": dict(kv.split("=", 1) for kv in args.env),
-            "built_from": {**built_from, **(source[1] if source else {}),
+            "built_from": {**built_from, **(source or {}),
                            "packed_on": f"{platform.system()} {platform.machine()}, Python {platform.python_version()}"},
         }
         (tmp / f"{args.name}.manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -391,8 +401,10 @@ def dry_run(args) -> int:
     for target in args.target_dir:
         rows.append(("--target-dir", str(target), sum(p.stat().st_size for p in target.rglob("*") if p.is_file())))
     if args.source:
-        archive, _ = git_source(args.source)
-        rows.append(("--source", "git archive HEAD", len(archive)))
+        sizes = []
+        git_archive(args.source, git_source(args.source)["git_commit"],
+                    lambda out: sizes.append(sum(len(chunk) for chunk in iter(lambda: out.read(CHUNK), b""))))
+        rows.append(("--source", "git archive HEAD", sizes[0]))
     for origin, name, size in sorted(rows, key=lambda r: -(r[2] or 0)):
         print(f"{(size or 0) / 1e6:10.2f} MB  {name}  ({origin})" if size is not None else f"   unknown  {name}  ({origin})")
     known = sum(r[2] or 0 for r in rows)
