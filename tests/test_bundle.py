@@ -37,32 +37,39 @@ def bundle(*args, check: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("bundle-inputs")
-    project = root / "probe"
-    (project / "bundle_probe").mkdir(parents=True)
-    (project / "bundle_probe" / "__init__.py").write_text('VALUE = "from the bundle"\n')
     # Random bytes: xz cannot shrink them, so the wheel alone spans several 64 KiB parts.
-    (project / "bundle_probe" / "blob.bin").write_bytes(os.urandom(150_000))
-    (project / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "bundle-probe"\nversion = "0.1"\ndependencies = ["bundle-missing-dep"]\n'
-        '[tool.setuptools]\npackages = ["bundle_probe"]\n'
-        '[tool.setuptools.package-data]\nbundle_probe = ["*.bin"]\n')
-    subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
-                    "-w", str(root / "wheels"), str(project)], check=True, capture_output=True)
-    (wheel,) = (root / "wheels").glob("bundle_probe-0.1-*.whl")
+    wheel = build_wheel(root, "bundle_probe", os.urandom(150_000), requires="bundle-missing-dep")
+    asset = build_wheel(root, "asset_probe", b"data", requires="asset-only-dep")
     sdist = root / "probe_data-0.2.tar.gz"
     (root / "probe_data-0.2").mkdir()
     (root / "probe_data-0.2" / "seed_tasks.jsonl").write_text('{"instruction": "name a colour"}\n')
     with tarfile.open(sdist, "w:gz") as tar:
         tar.add(root / "probe_data-0.2", arcname="probe_data-0.2")
-    return {"wheel": wheel, "sdist": sdist, "target": build_target("tiny")}
+    return {"wheel": wheel, "asset": asset, "sdist": sdist, "target": build_target("tiny")}
+
+
+def build_wheel(root: Path, package: str, blob: bytes, requires: str) -> Path:
+    """A real wheel, built by pip from a one-module project (no index, no network)."""
+    project = root / package
+    (project / package).mkdir(parents=True)
+    (project / package / "__init__.py").write_text('VALUE = "from the bundle"\n')
+    (project / package / "blob.bin").write_bytes(blob)
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        f'[project]\nname = "{package.replace("_", "-")}"\nversion = "0.1"\ndependencies = ["{requires}"]\n'
+        f'[tool.setuptools]\npackages = ["{package}"]\n'
+        f'[tool.setuptools.package-data]\n{package} = ["*.bin"]\n')
+    subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
+                    "-w", str(root / "wheels"), str(project)], check=True, capture_output=True)
+    (wheel,) = (root / "wheels").glob(f"{package}-0.1-*.whl")
+    return wheel
 
 
 @pytest.fixture(scope="module")
 def packed(inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundle-out") / "bundle"
-    bundle("pack", "--out", out, "--name", NAME, "--part-size", "64KiB", "--compression", "xz", "--wheel", inputs["wheel"],
-           "--sdist", inputs["sdist"], "--target-dir", inputs["target"], "--source", REPO,
+    bundle("pack", "--out", out, "--name", NAME, "--part-size", "64KiB", "--compression", "xz",
+           "--wheel", inputs["wheel"], "--asset-wheel", inputs["asset"], "--sdist", inputs["sdist"], "--target-dir", inputs["target"], "--source", REPO,
            "--env", "VLLM_USE_FLASHINFER_SAMPLER=0", "--download-dir", out.parent / "cache")
     return out
 
@@ -104,6 +111,7 @@ def test_parts_have_the_size_and_digests_the_manifest_names(packed, inputs):
     files = {f["path"]: f for f in manifest["files"]}
     assert files[f"wheels/{inputs['wheel'].name}"]["sha256"] == sha256(inputs["wheel"])
     assert files[f"sdists/{inputs['sdist'].name}"]["kind"] == "sdist-asset"
+    assert files[f"wheels/{inputs['asset'].name}"]["kind"] == "asset-wheel"
     target = inputs["target"]
     for path in target.iterdir():
         assert files[f"target/{target.name}/{path.name}"]["sha256"] == sha256(path)
@@ -118,7 +126,8 @@ def test_unpack_installs_into_a_venv_with_no_index(packed, inputs, tmp_path):
     proc = bundle("unpack", packed, "--dest", dest)
     assert "parts checked" in proc.stdout
     # --no-deps installs the set as pinned; what it lacks is reported, not fetched.
-    assert "bundle-probe 0.1 requires bundle-missing-dep" in (dest / "pip-check.txt").read_text()
+    unmet = (dest / "pip-check.txt").read_text()
+    assert "bundle-probe 0.1 requires bundle-missing-dep" in unmet and "asset-only-dep" not in unmet
     assert "pip check lists" in proc.stdout
     python = dest / "venv" / "bin" / "python"
     probe = subprocess.run([str(python), "-c", "import bundle_probe, sys; print(bundle_probe.VALUE); "
@@ -143,7 +152,7 @@ def test_unpack_installs_into_a_venv_with_no_index(packed, inputs, tmp_path):
     assert "already holds this bundle" in again.stdout and "installed" not in again.stdout
     # An install that stopped before its stamp is not trusted: the next run installs again.
     (dest / "venv" / ".offline-bundle.json").unlink()
-    assert "installed 1 wheels" in bundle("unpack", packed, "--dest", dest).stdout
+    assert "installed 2 wheels" in bundle("unpack", packed, "--dest", dest).stdout
 
 
 def test_unpack_into_a_target_dir_and_env_script(packed, tmp_path):
