@@ -601,13 +601,18 @@ def run(cmd: list[str], what: str) -> None:
         raise BundleError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd[:8])} ...\n{proc.stderr.strip()[-3000:]}")
 
 
-def write_env_script(dest: Path, manifest: dict, venv: Path | None, target: Path | None) -> Path:
+def write_env_script(dest: Path, manifest: dict, python: str, venv: Path | None, target: Path | None) -> Path:
     lines = ["# Source this file on the node: `source " + str(dest / "env.sh") + "`"]
     if venv:
         lines.append(f'export PATH="{venv.resolve()}/bin:$PATH"')
     if target:
+        # The pipeline's rules call `python`; a node may only have `python3`.
+        interpreter = shutil.which(python) or python
+        (dest / "bin").mkdir(exist_ok=True)
+        (dest / "bin" / "python").write_text(f'#!/bin/sh\nexec "{os.path.abspath(interpreter)}" "$@"\n')
+        (dest / "bin" / "python").chmod(0o755)
         lines += [f'export PYTHONPATH="{target.resolve()}${{PYTHONPATH:+:$PYTHONPATH}}"',
-                  f'export PATH="{target.resolve()}/bin:$PATH"',
+                  f'export PATH="{dest.resolve()}/bin:{target.resolve()}/bin:$PATH"',
                   f'export EAGLE3_PYPI_SDISTS="{target.resolve()}/share/pypi-sdists"']
     lines += ["export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1"]
     lines += [f'export {k}="{v}"' for k, v in manifest.get("env", {}).items()]
@@ -632,7 +637,7 @@ def unpack(args) -> int:
         return 0
     venv = None if args.target else (args.venv or dest / "venv")
     install(dest, manifest, args.python, venv, args.target)
-    env_sh = write_env_script(dest, manifest, venv, args.target)
+    env_sh = write_env_script(dest, manifest, args.python, venv, args.target)
     print(f"[bundle] done: `source {env_sh}`" + (f", then run the pipeline from {dest / 'source'}"
                                                    if (dest / "source").is_dir() else ""))
     return 0

@@ -157,15 +157,20 @@ def test_unpack_installs_into_a_venv_with_no_index(packed, inputs, tmp_path):
 
 def test_unpack_into_a_target_dir_and_env_script(packed, tmp_path):
     dest, site = tmp_path / "node", tmp_path / "site"
-    bundle("unpack", packed, "--dest", dest, "--target", site)
+    bundle("unpack", packed, "--dest", dest, "--target", site, "--python", PY)
     assert (site / "bundle_probe" / "__init__.py").is_file()
-    out = subprocess.run(["bash", "-c", f"source {dest / 'env.sh'} && {PY} -c \"import bundle_probe, sys; "
+    out = subprocess.run(["bash", "-c", f"source {dest / 'env.sh'} && python -c \"import bundle_probe, sys; "
                           f"sys.path.insert(0, '{REPO / 'scripts'}'); "
                           f"from pipeline_lib.assets import resolve_asset; print(bundle_probe.__file__); "
                           f"print(resolve_asset('pypi:probe-data==0.2/seed_tasks.jsonl'))\""],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert Path(out[0]).is_relative_to(site)
     assert Path(out[1]).is_relative_to(site / "share" / "pypi-sdists")
+    # Rules call `python`: env.sh puts one first on PATH that is the interpreter given to unpack.
+    which = subprocess.run(["bash", "-c", f"source {dest / 'env.sh'} && python -c 'import sys; print(sys.prefix)'"],
+                           capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}).stdout.strip()
+    assert which == subprocess.run([PY, "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                                   text=True, check=True).stdout.strip()
 
 
 def assert_nothing_extracted(dest: Path) -> None:
