@@ -33,6 +33,7 @@ import lzma
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -483,8 +484,8 @@ def check_parts(folder: Path, manifest: dict) -> None:
         elif path.stat().st_size != part["size"]:
             problems.append(f"part {part['name']} has {path.stat().st_size} bytes, the manifest says "
                             f"{part['size']} (copy cut short or appended to)")
-        elif sha256_file(path) != part["sha256"]:
-            problems.append(f"part {part['name']} is corrupted: sha256 {sha256_file(path)[:16]}..., "
+        elif (digest := sha256_file(path)) != part["sha256"]:
+            problems.append(f"part {part['name']} is corrupted: sha256 {digest[:16]}..., "
                             f"the manifest says {part['sha256'][:16]}...")
     if problems:
         raise BundleError("refusing to unpack, nothing was extracted:\n  " + "\n  ".join(problems)
@@ -615,7 +616,7 @@ def write_env_script(dest: Path, manifest: dict, python: str, venv: Path | None,
                   f'export PATH="{dest.resolve()}/bin:{target.resolve()}/bin:$PATH"',
                   f'export EAGLE3_PYPI_SDISTS="{target.resolve()}/share/pypi-sdists"']
     lines += ["export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1"]
-    lines += [f'export {k}="{v}"' for k, v in manifest.get("env", {}).items()]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in manifest.get("env", {}).items()]
     path = dest / "env.sh"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -703,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = p.parse_args(argv)
     for kv in getattr(args, "env", []):
-        if "=" not in kv:
-            p.error(f"--env {kv!r}: expected NAME=VALUE")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", kv):
+            p.error(f"--env {kv!r}: expected NAME=VALUE with a shell variable name")
     try:
         return args.func(args)
     except BundleError as err:
