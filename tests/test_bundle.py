@@ -193,14 +193,17 @@ def test_a_corrupted_part_is_refused_naming_it(packed, tmp_path):
     assert bundle("verify", folder, check=False).returncode == 2
 
 
-def test_a_missing_part_is_refused_naming_it(packed, tmp_path):
+def test_a_missing_and_a_short_part_are_refused_naming_them(packed, tmp_path):
     folder = copy_of(packed, tmp_path)
-    last = folder / manifest_of(folder)["parts"][-1]["name"]
+    parts = manifest_of(folder)["parts"]
+    last, first = folder / parts[-1]["name"], folder / parts[0]["name"]
     last.unlink()
+    first.write_bytes(first.read_bytes()[:-100])  # a copy cut short
     dest = tmp_path / "node"
     proc = bundle("unpack", folder, "--dest", dest, check=False)
     assert proc.returncode == 2
     assert f"part {last.name} is missing from {folder}" in proc.stderr
+    assert f"part {first.name} has {PART - 100} bytes, the manifest says {PART}" in proc.stderr
     assert_nothing_extracted(dest)
 
 
