@@ -78,3 +78,17 @@ check-provenance: env
 # generated from bench/results/; tests/test_docs.py fails while a committed page is stale.
 docs: env
 	$(PY) scripts/make_docs.py
+
+# Offline bundle for a GPU node without network (docs/offline-bundle.md): vLLM, the pipeline's
+# wheels, the assets, the source (and BUNDLE_TARGET) in parts of BUNDLE_PART_SIZE with digests.
+# On the node: python3 bundle/offline_bundle.py unpack bundle --dest <dir>. Needs only python3 and pip.
+BUNDLE_DIR ?= bundle
+BUNDLE_PART_SIZE ?= 55MiB
+BUNDLE_TARGET ?=
+BUNDLE_ARGS ?=
+.PHONY: bundle
+bundle:
+	python3 scripts/offline_bundle.py pack --out $(BUNDLE_DIR) --part-size $(BUNDLE_PART_SIZE) \
+	  --requirements envs/gpu-node.txt --sdist-requirements envs/gpu-node-sdist.txt \
+	  --assets envs/assets.txt --sdist-assets envs/assets-sdist.txt --source . \
+	  --env VLLM_USE_FLASHINFER_SAMPLER=0 $(if $(BUNDLE_TARGET),--target-dir $(BUNDLE_TARGET)) $(BUNDLE_ARGS)

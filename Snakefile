@@ -29,8 +29,9 @@ include: "rules/common.smk"
 
 
 # Credentials come from the environment, never from the config: config values reach every
-# job's command line, Snakemake's log and metadata, and provenance (pipeline_lib/secrets.py).
-from pipeline_lib.secrets import refuse_credentials_in_config  # noqa: E402
+# job's command line, Snakemake's log and metadata, and provenance
+# (pipeline_lib/config_credentials.py).
+from pipeline_lib.config_credentials import refuse_credentials_in_config  # noqa: E402
 
 refuse_credentials_in_config(config)
 

@@ -319,22 +319,22 @@ def test_training_refuses_files_of_another_format(variants, tmp_path):
 
 def test_contract_checks_know_the_format_and_the_server_layers():
     sys.path.insert(0, str(SCRIPTS))
-    import check_contract as cc
+    from pipeline_lib.contract import Context, hidden_states, layers
 
     def ctx(manifest, record=None):
-        c = cc.Context(draft=Path("d"), target=Path("t"), target_config={}, target_manifest={}, hs_manifest=manifest,
-                       stats={}, settings={}, hs_record=record)
+        c = Context(draft=Path("d"), target=Path("t"), target_config={}, target_manifest={}, hs_manifest=manifest,
+                    stats={}, settings={}, hs_record=record)
         c.draft_config = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": AUX}
         return c
 
     fp8 = {"storage": "fp8", "aux_layer_ids": AUX, "final_layer_id": 8}
-    assert cc.check_read_as_stored(ctx(fp8, {"mode": "offline", "storage": "fp8", "transfer": "fp8"})).passed
+    assert hidden_states.check_read_as_stored(ctx(fp8, {"mode": "offline", "storage": "fp8", "transfer": "fp8"})).passed
     # fp8 files read as plain files: the silent failure this check exists for
-    assert not cc.check_read_as_stored(ctx(fp8, {"mode": "offline", "storage": "fp8", "transfer": "file"})).passed
-    assert cc.check_read_as_stored(ctx({}, {"mode": "offline", "storage": "bf16", "transfer": "file"})).passed
+    assert not hidden_states.check_read_as_stored(ctx(fp8, {"mode": "offline", "storage": "fp8", "transfer": "file"})).passed
+    assert hidden_states.check_read_as_stored(ctx({}, {"mode": "offline", "storage": "bf16", "transfer": "file"})).passed
     online = {**fp8, "server_layer_ids": [*AUX, 8]}
-    assert cc.check_aux_match(ctx(online)).passed
-    wrong = cc.check_aux_match(ctx({**online, "server_layer_ids": [1, 4, 5, 8]}))
+    assert layers.check_aux_match(ctx(online)).passed
+    wrong = layers.check_aux_match(ctx({**online, "server_layer_ids": [1, 4, 5, 8]}))
     assert not wrong.passed and "server extracted layers [1, 4, 5, 8]" in wrong.detail
 
 

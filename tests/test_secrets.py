@@ -115,7 +115,8 @@ def test_credentials_in_exception_messages_are_scrubbed(e2e, tmp_path):
 
 
 def test_scrub_keeps_text_and_removes_credential_shapes(monkeypatch):
-    from pipeline_lib.secrets import credential_settings, scrub
+    from pipeline_lib.config_credentials import credential_settings
+    from pipeline_lib.secrets import scrub
 
     monkeypatch.setenv("MY_SERVICE_TOKEN", "plain-value-without-shape")
     text = (f"GET http://u:s3cretPassw0rd@h/v1?api_key={KEY}&x=1 auth Bearer abcdefgh12345678 with "

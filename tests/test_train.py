@@ -7,6 +7,7 @@ dataset built here (chat-templated chitchat conversations, loss on assistant tur
 as R/{target,tokenized,hidden_states} in docs/artifacts.md."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, SCRIPTS, run_script, small_disk
+from conftest import PY, REPO, SCRIPTS, run_script, small_disk
 from pipeline_lib import launch, speculators_cpu
 from pipeline_lib.assets import resolve_asset
 from pipeline_lib.errors import PipelineError
+from pipeline_lib.training import checkpoints
 
 AUX = [2, 4, 5]  # speculators' default for the 8-layer tiny target
 ROWS = 24
@@ -309,6 +311,46 @@ def test_secrets_stay_out_of_provenance_and_log(trained):
     assert SECRET not in trained["second"].stdout + trained["second"].stderr
 
 
+PLANTED = ("hf_plantedSecretInAnEdit1234567890", "sk-plantedKeyInAStagedFile0987654321")
+
+
+def test_uncommitted_edits_and_their_credentials_stay_out_of_checkpoints(hs_run, tmp_path):
+    """speculators writes `git diff HEAD` of the checkout its package lives in (with `make env`,
+    the pipeline's own: .venv is inside it) into the checkpoints as speculators.patch, so a
+    user's uncommitted edits, credentials included, would travel with every draft. Here the
+    package is imported from a dirty clone holding planted credentials, and an earlier run's
+    patch lies in the checkpoints: no file under the job's outputs holds them afterwards, and
+    provenance records that checkout's commit and the digest of its diff."""
+    from test_secrets import files_holding
+
+    clone = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{REPO}", str(clone)], check=True, timeout=120)
+    with open(clone / "config.yaml", "a") as f:  # an edit of a tracked file
+        f.write(f"\n# HF_TOKEN={PLANTED[0]}\n")
+    (clone / "local.env").write_text(f"OPENAI_API_KEY={PLANTED[1]}\n")  # a new file, staged
+    subprocess.run(["git", "-C", str(clone), "add", "local.env"], check=True)
+    import speculators
+
+    site = clone / ".venv" / "lib" / "site-packages"  # .venv is ignored: not part of the diff
+    shutil.copytree(Path(speculators.__file__).parent, site / "speculators",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    diff = subprocess.run(["git", "-C", str(clone), "diff", "HEAD"], capture_output=True, check=True).stdout
+    assert all(s.encode() in diff for s in PLANTED)
+
+    out = tmp_path / "draft"
+    (out / "checkpoints").mkdir(parents=True)  # what speculators left in an earlier run's checkpoints
+    (out / "checkpoints" / "speculators.patch").write_bytes(diff)
+    run_script("train_draft.py", *train_args(hs_run, SETTINGS, out), timeout=600,
+               env={"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert files_holding(out, *PLANTED) == []
+    assert not list(out.rglob("speculators.patch"))
+    prov = json.loads((out / "provenance.json").read_text())
+    head = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert prov["trainer_checkout"] == {"path": str(clone.resolve()), "commit": head, "dirty": True,
+                                        "diff_sha256": hashlib.sha256(diff).hexdigest()}
+
+
 def _epoch(ckpt: Path, n: int, complete: bool = True, validated: bool = True) -> Path:
     d = ckpt / str(n)
     d.mkdir(parents=True)
@@ -322,56 +364,48 @@ def _epoch(ckpt: Path, n: int, complete: bool = True, validated: bool = True) ->
 
 
 def test_checkpoints_of_other_settings_are_moved_aside_not_resumed(tmp_path):
-    import train_draft
-
     ckpt = tmp_path / "checkpoints"
     _epoch(ckpt, 0)
-    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps({"lr": 0.1, "target_digest": "a"}))
-    assert train_draft.prepare_checkpoints(ckpt, {"lr": 0.2, "target_digest": "a"}, epochs=3) is None
+    (ckpt / checkpoints.FINGERPRINT).write_text(json.dumps({"lr": 0.1, "target_digest": "a"}))
+    assert checkpoints.prepare_checkpoints(ckpt, {"lr": 0.2, "target_digest": "a"}, epochs=3) is None
     (aside,) = tmp_path.glob("checkpoints.superseded-*")
     assert (aside / "0" / "model.safetensors").read_text() == "weights of epoch 0"
-    assert json.loads((ckpt / train_draft.FINGERPRINT).read_text()) == {"lr": 0.2, "target_digest": "a"}
-    assert not train_draft.epoch_dirs(ckpt)
+    assert json.loads((ckpt / checkpoints.FINGERPRINT).read_text()) == {"lr": 0.2, "target_digest": "a"}
+    assert not checkpoints.epoch_dirs(ckpt)
 
 
 def test_resume_skips_a_half_saved_epoch_and_longer_runs_start_fresh(tmp_path):
-    import train_draft
-
     ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
     (ckpt).mkdir()
-    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    (ckpt / checkpoints.FINGERPRINT).write_text(json.dumps(fp))
     _epoch(ckpt, 0), _epoch(ckpt, 1), _epoch(ckpt, 2, complete=False)  # killed while saving 2
-    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 1
+    assert checkpoints.prepare_checkpoints(ckpt, fp, epochs=3) == 1
     assert not (ckpt / "2").exists() and (ckpt / "1" / "model.safetensors").exists()
     # asking for fewer epochs than already trained cannot resume: moved aside, fresh start
-    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=1) is None
+    assert checkpoints.prepare_checkpoints(ckpt, fp, epochs=1) is None
     assert len(list(tmp_path.glob("checkpoints.superseded-*"))) == 1
 
 
 def test_an_epoch_saved_but_not_validated_is_not_resumed_past(tmp_path):
     """speculators saves an epoch, then validates it: killed in between, the epoch's metrics and
     its best-epoch candidacy were never recorded, so it is trained again."""
-    import train_draft
-
     ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
     ckpt.mkdir()
-    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    (ckpt / checkpoints.FINGERPRINT).write_text(json.dumps(fp))
     _epoch(ckpt, 0), _epoch(ckpt, 1, validated=False)
     with open(ckpt / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 1, "split": "tr')  # and a torn line of the killed append
-    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 0
-    assert not (ckpt / "1").exists() and train_draft.best_epoch(ckpt) == 0
+    assert checkpoints.prepare_checkpoints(ckpt, fp, epochs=3) == 0
+    assert not (ckpt / "1").exists() and checkpoints.best_epoch(ckpt) == 0
 
 
 def test_a_torn_end_of_epoch_marker_is_not_trusted(tmp_path):
-    import train_draft
-
     ckpt, fp = tmp_path / "checkpoints", {"lr": 0.1}
     ckpt.mkdir()
-    (ckpt / train_draft.FINGERPRINT).write_text(json.dumps(fp))
+    (ckpt / checkpoints.FINGERPRINT).write_text(json.dumps(fp))
     _epoch(ckpt, 0)
     (_epoch(ckpt, 1, complete=False) / "training_state.json").write_text('{"epoch": 1, "local_')  # killed mid-write
-    assert train_draft.prepare_checkpoints(ckpt, fp, epochs=3) == 0
+    assert checkpoints.prepare_checkpoints(ckpt, fp, epochs=3) == 0
     assert not (ckpt / "1").exists()
 
 
@@ -382,24 +416,22 @@ def test_a_torn_end_of_epoch_marker_is_not_trusted(tmp_path):
     ("none", False, True),      # constant lr: more epochs are the same trajectory, continued
 ])
 def test_epochs_change_resumes_only_when_the_schedule_allows_or_asked(tmp_path, scheduler, extend, resumes):
-    import train_draft
-
     ckpt = tmp_path / "checkpoints"
     fp = {"lr": 0.1, "scheduler": scheduler, "epochs": 4}
-    train_draft.prepare_checkpoints(ckpt, fp, epochs=4)
+    checkpoints.prepare_checkpoints(ckpt, fp, epochs=4)
     for n in range(4):
         _epoch(ckpt, n)
-    got = train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8}, epochs=8, extend_epochs=extend)
+    got = checkpoints.prepare_checkpoints(ckpt, {**fp, "epochs": 8}, epochs=8, extend_epochs=extend)
     assert got == (3 if resumes else None)
     assert bool(list(tmp_path.glob("checkpoints.superseded-*"))) is not resumes
-    history = train_draft.training_history(ckpt)
+    history = checkpoints.training_history(ckpt)
     if resumes:
         assert [h["epochs"] for h in history] == [4, 8]
         assert history[1]["resumed_after_epoch"] == 3 and history[1]["extended_from_epochs"] == 4
     else:
         assert [(h["epochs"], h["resumed_after_epoch"]) for h in history] == [(8, None)]
     # any other knob that shapes the trajectory never resumes, extend_epochs or not
-    assert train_draft.prepare_checkpoints(ckpt, {**fp, "epochs": 8, "lr": 0.2}, epochs=8, extend_epochs=True) is None
+    assert checkpoints.prepare_checkpoints(ckpt, {**fp, "epochs": 8, "lr": 0.2}, epochs=8, extend_epochs=True) is None
 
 
 def test_full_disk_while_saving_an_epoch_fails_clearly_and_rerun_resumes(hs_run, tmp_path):
@@ -441,9 +473,7 @@ def test_full_disk_while_saving_an_epoch_fails_clearly_and_rerun_resumes(hs_run,
 
 
 def train_draft_epochs(ckpt: Path) -> list[int]:
-    import train_draft
-
-    return list(train_draft.epoch_dirs(ckpt, complete_only=False))
+    return list(checkpoints.epoch_dirs(ckpt, complete_only=False))
 
 
 # ------------------------------------------------------------------------------ refusals

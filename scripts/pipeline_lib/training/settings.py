@@ -1,0 +1,83 @@
+"""The `train` config section of one variant, and the settings CPU training needs."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import cli
+from ..errors import PipelineError
+
+SECTION = "train"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    draft_layers: int
+    draft_vocab_size: int
+    ttt_steps: int
+    epochs: int
+    lr: float
+    optimizer: str
+    scheduler: str
+    total_seq_len: int
+    train_data_ratio: float
+    attn_impl: str
+    loss_impl: str
+    seed: int
+    keep_last: int
+    select: str
+    num_workers: int
+    extend_epochs: bool = False
+
+    OPTIONAL = {"extend_epochs": False}
+    CHOICES = {"optimizer": ("adamw", "muon"), "scheduler": ("linear", "cosine", "none"),
+               "attn_impl": ("sdpa", "simple_flex_attention", "eager"),
+               "loss_impl": ("eager", "fused"), "select": ("best", "last")}
+    MINIMA = {"draft_layers": 1, "draft_vocab_size": 2, "ttt_steps": 1, "epochs": 1,
+              "total_seq_len": 16, "keep_last": 1, "num_workers": 0}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "TrainSettings":
+        values = {}
+        for name, kind in cls.__annotations__.items():  # the fields (CHOICES/MINIMA are not annotated)
+            value = raw.get(name, cls.OPTIONAL[name]) if name in cls.OPTIONAL else cli.require(raw, name, SECTION)
+            if kind == "bool" and not isinstance(value, bool):
+                raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected true or false")
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected an integer")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected a number")
+            if name in cls.CHOICES and value not in cls.CHOICES[name]:
+                raise PipelineError(f"setting {SECTION}.{name} = {value!r}: choose one of "
+                                    f"{', '.join(cls.CHOICES[name])}")
+            if name in cls.MINIMA and value < cls.MINIMA[name]:
+                raise PipelineError(f"setting {SECTION}.{name} = {value}: must be >= {cls.MINIMA[name]}")
+            values[name] = float(value) if kind == "float" else value
+        if values["lr"] <= 0:
+            raise PipelineError(f"setting {SECTION}.lr = {values['lr']}: must be > 0")
+        if not 0 < values["train_data_ratio"] < 1:
+            raise PipelineError(
+                f"setting {SECTION}.train_data_ratio = {values['train_data_ratio']}: speculators "
+                f"validates on the last rows, so it must be strictly between 0 and 1 (e.g. 0.9)")
+        unknown = sorted(set(raw) - set(values))
+        if unknown:
+            raise PipelineError(f"unknown {SECTION} setting(s) {unknown}; see config.yaml for the valid keys")
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_device_settings(settings: TrainSettings, on_cpu: bool) -> None:
+    if not on_cpu:
+        return
+    problems = []
+    if settings.attn_impl == "simple_flex_attention":
+        problems.append("train.attn_impl: simple_flex_attention has no CPU backward; use sdpa")
+    if settings.loss_impl == "fused":
+        problems.append("train.loss_impl: the fused loss needs Triton (GPU); use eager")
+    if settings.num_workers != 0:
+        problems.append(f"train.num_workers = {settings.num_workers}: CPU training needs 0")
+    if problems:
+        raise PipelineError("training on CPU (no GPU requested or visible) needs other settings "
+                            "for this variant: " + "; ".join(problems))
