@@ -174,9 +174,9 @@ def base_test_config(tiny_target: Path) -> dict:
         "tokenize": {"max_seq_len": 256, "overlength": "truncate"},
         "hidden_states": {"backend": "vllm", "num_shards": 2, "batch_size": 8},
         # 5 epochs: the draft learns the tiny target's answer to saturation (validation accuracy
-        # 1.0 / 0.95 / 0.9), so its figures hold on every CPU kernel path. After 2 it sat on the
-        # steep part of its learning curve, where the kernel path and the seed moved acceptance
-        # from 1.94 to 2.33 (bench/results/kernel-paths-*.json, docs/testing.md).
+        # 1.0 / 0.95 / 0.9), so its figures are the same on every CPU kernel path. After 2 it sat
+        # on the steep part of its learning curve, where the kernel path and the seed moved its
+        # acceptance between 1.68 and 2.33 (bench/results/kernel-paths-*.json, docs/testing.md).
         "train": {"draft_layers": 1, "draft_vocab_size": 512, "ttt_steps": 3, "epochs": 5, "lr": 0.003,
                   "optimizer": "adamw", "scheduler": "linear", "total_seq_len": 512,
                   "train_data_ratio": 0.85, "attn_impl": "sdpa", "loss_impl": "eager", "seed": 0,
