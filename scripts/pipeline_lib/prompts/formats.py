@@ -4,12 +4,9 @@ FORMATS is the registry (name -> mapper); `format: auto` picks one from the colu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import PipelineError
-
-if TYPE_CHECKING:
-    from .sources import SourceSpec
 
 
 @dataclass
@@ -319,11 +316,7 @@ AUTO_COLUMNS = [("conversations", "sharegpt"), ("turns", "mtbench"), ("messages"
                 ("task_description", "codeio"), ("prompt", "prompt"), ("instruction", "instruction")]
 
 
-def detect_format(columns: list[str], spec: SourceSpec) -> str:
-    for column, fmt in AUTO_COLUMNS:
-        if column in columns:
-            return fmt
-    raise PipelineError(f"{spec.setting}.source = {spec.source}: cannot detect the prompt format from its "
-                        f"columns {columns}; expected one of {[c for c, _ in AUTO_COLUMNS]}. Set "
-                        f"{spec.setting}.format")
+def detect_format(columns: list[str]) -> str | None:
+    """The format `format: auto` picks for a source with these columns; None when none fits."""
+    return next((fmt for column, fmt in AUTO_COLUMNS if column in columns), None)
 

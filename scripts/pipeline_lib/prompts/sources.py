@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from ..assets import PREFIX as PYPI_PREFIX, resolve_asset
 from ..errors import PipelineError
 from ..io import read_jsonl, read_text
-from .formats import FORMATS, Counts, Prompt, RawRow, detect_format
+from .formats import AUTO_COLUMNS, FORMATS, Counts, Prompt, RawRow, detect_format
 
 # Gzipped JSON(L) is read by `datasets` as is; YAML is chatterbot-corpus's layout.
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz", ".yml", ".yaml")
@@ -172,7 +172,7 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
             path = Path(ref)
             record["path"] = str(path)
             rows, columns, native_format = _load_file(path, spec, cache)
-        fmt = native_format or (detect_format(columns, spec) if spec.format == "auto" else spec.format)
+        fmt = native_format or (auto_format(columns, spec) if spec.format == "auto" else spec.format)
         if fmt not in FORMATS:
             raise PipelineError(f"{spec.setting}.format = {fmt!r}: choose one of auto, {', '.join(FORMATS)}")
         mapper = FORMATS[fmt]
@@ -187,6 +187,15 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
     label = source_label(spec, fmt, kind)
     record["format"] = fmt
     return label, fmt, prompts, record
+
+
+def auto_format(columns: list[str], spec: SourceSpec) -> str:
+    fmt = detect_format(columns)
+    if fmt is None:
+        raise PipelineError(f"{spec.setting}.source = {spec.source}: cannot detect the prompt format from its "
+                            f"columns {columns}; expected one of {[c for c, _ in AUTO_COLUMNS]}. Set "
+                            f"{spec.setting}.format")
+    return fmt
 
 
 def _load_file(path: Path, spec: SourceSpec, cache: str):
