@@ -25,6 +25,10 @@ listed before it, capped, and the capped sources are interleaved by a seeded dra
 `prompts.mix_num_samples`, the validation split, held-out rows - follows the weights. A
 single source (a mapping, or a one-element list) gives exactly the rows it gave before.
 
+A .json list with `allow_truncated: true` (the packaged ShareGPT file, cut off mid-record) is
+read record by record up to its last whole record; the records read and the bytes lost at the
+cut are in the summary (`json_list`), with the license remark of a package that states none.
+
 Decontamination: with an eval source, a training conversation any of whose user (or system)
 turns shares a `prompts.decontamination_ngram`-word n-gram (8 by default; lower-cased words)
 with any user turn of the whole eval source is dropped before de-duplication and caps, and
@@ -84,6 +88,14 @@ def main() -> None:
     for src in summary["sources"] if len(summary["sources"]) > 1 else []:
         print(f"  {src['setting']}: {src['source']} (weight {src['weight']}): {src['selected']} of "
               f"{src['available']} available", flush=True)
+    for src in summary["sources"]:
+        cut = src.get("json_list") or {}
+        if cut.get("truncated"):
+            print(f"  {src['setting']}: {src['source']} is cut off: {cut['records_read']} whole records read, "
+                  f"{cut['bytes_lost']} bytes ({cut['partial_records_lost']} partial record) lost at the cut "
+                  f"(byte {cut['bytes_read']} of {cut['file_bytes']})", flush=True)
+        if src.get("license"):
+            print(f"  WARNING: {src['setting']}: {src['source']}: license {src['license']}", flush=True)
 
 
 if __name__ == "__main__":

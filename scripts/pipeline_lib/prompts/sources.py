@@ -2,16 +2,18 @@
 `datasets` (chitchat's id-keyed JSON and chatterbot's YAML directly) into Prompts."""
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..assets import PREFIX as PYPI_PREFIX, resolve_asset
+from ..assets import PREFIX as PYPI_PREFIX, license_note, resolve_asset
 from ..errors import PipelineError
 from ..io import read_jsonl, read_text
 from .formats import AUTO_COLUMNS, FORMATS, Counts, Prompt, RawRow, detect_format
+from .json_list import JsonListStream
 
 # Gzipped JSON(L) is read by `datasets` as is; YAML is chatterbot-corpus's layout.
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz", ".yml", ".yaml")
@@ -34,6 +36,7 @@ class SourceSpec:
     num_samples: int | None = None
     weight: float = 1.0
     answered_only: bool = False  # keep only conversations whose first user turn has the source's answer
+    allow_truncated: bool = False  # a JSON list cut off mid-record is read up to its last whole record
 
     @classmethod
     def from_entry(cls, entry: dict, setting: str) -> "SourceSpec":
@@ -43,12 +46,13 @@ class SourceSpec:
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise PipelineError(f"{setting}.weight = {weight!r}: must be a number > 0")
-        answered_only = spec.get("answered_only", False)
-        if not isinstance(answered_only, bool):
-            raise PipelineError(f"{setting}.answered_only = {answered_only!r}: must be true or false")
+        flags = {key: spec.get(key, False) for key in ("answered_only", "allow_truncated")}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise PipelineError(f"{setting}.{key} = {value!r}: must be true or false")
         return cls(setting=setting, source=spec["source"], format=spec.get("format") or "auto",
                    split=spec.get("split") or "train", revision=spec.get("revision"),
-                   num_samples=spec.get("num_samples"), weight=float(weight), answered_only=answered_only)
+                   num_samples=spec.get("num_samples"), weight=float(weight), **flags)
 
     @classmethod
     def all_from_settings(cls, settings: dict, split: str) -> list["SourceSpec"]:
@@ -156,6 +160,7 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
 
     datasets.disable_progress_bars()
     record: dict[str, Any] = {"source": spec.source, "kind": kind}
+    read: dict[str, Any] = {}  # filled while the rows are read (a streamed JSON list's counts)
     with tempfile.TemporaryDirectory(prefix="prompts-datasets-cache-") as cache:
         if kind == "hub":
             record.update(split=spec.split, revision=spec.revision)
@@ -171,7 +176,7 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
         else:
             path = Path(ref)
             record["path"] = str(path)
-            rows, columns, native_format = _load_file(path, spec, cache)
+            rows, columns, native_format = _load_file(path, spec, cache, read)
         fmt = native_format or (auto_format(columns, spec) if spec.format == "auto" else spec.format)
         if fmt not in FORMATS:
             raise PipelineError(f"{spec.setting}.format = {fmt!r}: choose one of auto, {', '.join(FORMATS)}")
@@ -186,6 +191,10 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
                 prompts.append(prompt)
     label = source_label(spec, fmt, kind)
     record["format"] = fmt
+    record.update(read)
+    note = license_note(spec.source)
+    if note:
+        record["license"] = note
     return label, fmt, prompts, record
 
 
@@ -198,10 +207,30 @@ def auto_format(columns: list[str], spec: SourceSpec) -> str:
     return fmt
 
 
-def _load_file(path: Path, spec: SourceSpec, cache: str):
+def iter_json_list(path: Path, spec: SourceSpec, read: dict[str, Any]) -> tuple[Iterator[RawRow], list[str]]:
+    """(rows, the first record's keys) of a JSON list read record by record, cut off or not
+    (allow_truncated); `read` receives the counts and the loss at the cut once the rows are read."""
+    stream = JsonListStream(path, spec.setting)
+    records = iter(stream)
+    first = next(records, None)
+    if first is None:
+        where = "is cut off before its first whole record" if not stream.read.complete else "is an empty list"
+        raise PipelineError(f"{path}: the JSON list {where} ({stream.read.file_bytes} bytes); no prompt can be "
+                            f"read from it ({spec.setting}.source)")
+
+    def rows() -> Iterator[RawRow]:
+        for i, data in enumerate(itertools.chain([first], records)):
+            yield RawRow(str(i), f"{path} record {i}", data)
+        read["json_list"] = stream.read.loss()
+
+    return rows(), list(first)
+
+
+def _load_file(path: Path, spec: SourceSpec, cache: str, read: dict[str, Any]):
     """(rows, columns, format if the file's layout implies one) of a local file. JSON is
     checked here first: `datasets` reports a bad line without its line number. The chitchat
-    dataset.json (id -> conversation) is no table, so it is read directly."""
+    dataset.json (id -> conversation) is no table, so it is read directly; so is a JSON list
+    with allow_truncated (record by record, up to the last whole one)."""
     import datasets
 
     linenos = None
@@ -220,11 +249,18 @@ def _load_file(path: Path, spec: SourceSpec, cache: str):
         if not linenos:
             raise PipelineError(f"{path}: the prompt file is empty ({spec.setting}.source)")
         builder, data_files = "json", str(path)
+    elif suffix == ".json" and spec.allow_truncated:
+        rows, columns = iter_json_list(path, spec, read)
+        return rows, columns, None
     elif suffix == ".json":
+        text = read_text(path, "prompt file")
         try:
-            data = json.loads(read_text(path, "prompt file"))
+            data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+            cut = (f"; the file ends mid-document (cut off?): {spec.setting}.allow_truncated: true reads a JSON "
+                   f"list up to its last whole record and reports the loss"
+                   if err.pos >= len(text.rstrip()) - 16 or err.msg.startswith("Unterminated string") else "")
+            raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}){cut}") from None
         if spec.format == "champ":
             return iter_champ_json(path, data), ["_text", "category"], "champ"
         if isinstance(data, dict) and spec.format in ("auto", "chitchat") and _looks_like_chitchat(data):
