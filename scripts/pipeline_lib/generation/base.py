@@ -139,6 +139,13 @@ def redact_url(url: str) -> str:
 class PromptRequest:
     id: str
     messages: list[dict[str, Any]]
+    # The raw path: a prompt already rendered to token ids, sent as it is (no chat template is
+    # applied; `messages` is then empty). The synthesize stage renders the target's template up
+    # to an open user turn itself. Backends without it (openai) refuse such requests.
+    prompt_token_ids: list[int] | None = None
+    # A sampling seed of this request's own (vLLM), so that many requests with one prompt
+    # sample differently yet reproducibly; None = the settings' seed.
+    seed: int | None = None
 
 
 @dataclass
