@@ -29,6 +29,10 @@ A .json list with `allow_truncated: true` (the packaged ShareGPT file, cut off m
 read record by record up to its last whole record; the records read and the bytes lost at the
 cut are in the summary (`json_list`), with the license remark of a package that states none.
 
+`source: synthesized` in prompts.train reads the requests the target wrote itself (the
+synthesize stage's synthesized.jsonl, rows in the messages format; the rules pass its path as
+`synthesized_path`).
+
 Decontamination: with an eval source, a training conversation any of whose user (or system)
 turns shares a `prompts.decontamination_ngram`-word n-gram (8 by default; lower-cased words)
 with any user turn of the whole eval source is dropped before de-duplication and caps, and
@@ -53,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.errors import run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_jsonl  # noqa: E402
-from pipeline_lib.prompts import build_split, input_files, maybe_hub, split_specs  # noqa: E402
+from pipeline_lib.prompts import build_split, input_files, maybe_hub, resolve_synthesized, split_specs  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
 
@@ -63,7 +67,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="prompts jsonl to write")
     p.add_argument("--provenance", required=True, help="provenance json to write")
     args = p.parse_args()
-    settings = args.settings
+    settings = resolve_synthesized(args.settings)
     # Hub datasets need the hub; everything else stays offline (set before `datasets` loads).
     runtime.setup(offline=not any(maybe_hub(s.source) for s in split_specs(settings, args.split)))
     prov = Provenance(f"prompts_{args.split}", settings)

@@ -67,6 +67,41 @@ class SourceSpec:
         return [cls.from_entry(entry, f"prompts.train[{i}]") for i, entry in enumerate(value)]
 
 
+# The training source the synthesize stage writes (rules/synthesize.smk): the rules put its
+# file's path in the settings as `synthesized_path`.
+SYNTHESIZED = "synthesized"
+
+
+def resolve_synthesized(settings: dict) -> dict:
+    """The prompt settings with each training source `synthesized` pointing at the synthesize
+    stage's prompt file; an eval source cannot be one (the target's own requests are training data)."""
+    path = settings.get("synthesized_path")
+
+    def entries(value: Any, setting: str) -> list[tuple[str, dict]]:
+        if isinstance(value, list):
+            return [(f"{setting}[{i}]", e) for i, e in enumerate(value) if isinstance(e, dict)]
+        return [(setting, value)] if isinstance(value, dict) else []
+
+    for setting, entry in entries(settings.get("eval"), "prompts.eval") + \
+            entries(settings.get("decontaminate_with"), "prompts.decontaminate_with"):
+        if entry.get("source") == SYNTHESIZED:
+            raise PipelineError(f"{setting}.source = {SYNTHESIZED}: the target's own requests are training data "
+                                f"(prompts.train); measure on an eval set")
+    out = dict(settings)
+    train = settings.get("train")
+    resolved = []
+    for setting, entry in entries(train, "prompts.train"):
+        if entry.get("source") == SYNTHESIZED:
+            if not path:
+                raise PipelineError(f"{setting}.source = {SYNTHESIZED}: the synthesize stage's prompt file is not "
+                                    f"known here; build through Snakemake (rule synthesize_gather makes it)")
+            entry = {**entry, "source": path}
+        resolved.append(entry)
+    if resolved:
+        out["train"] = resolved if isinstance(train, list) else resolved[0]
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Loading: local files and hub datasets through `datasets`; chitchat's id-keyed JSON directly.
 # ---------------------------------------------------------------------------------------
