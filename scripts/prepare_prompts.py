@@ -28,6 +28,9 @@ single source (a mapping, or a one-element list) gives exactly the rows it gave 
 A .json list with `allow_truncated: true` (the packaged ShareGPT file, cut off mid-record) is
 read record by record up to its last whole record; the records read and the bytes lost at the
 cut are in the summary (`json_list`), with the license remark of a package that states none.
+With `drop_without_user_turn: true` a row without any user turn (ShareGPT has empty and
+assistant-only conversations) is dropped and counted (`without_user_turn_dropped`) instead of
+failing the stage.
 
 `source: synthesized` in prompts.train reads the requests the target wrote itself (the
 synthesize stage's synthesized.jsonl, rows in the messages format; the rules pass its path as
@@ -78,6 +81,8 @@ def main() -> None:
     print(f"prompts {args.split}: {len(rows)} written to {args.out} (format {summary['format']}, "
           f"{summary['loaded']} loaded, {summary['empty_dropped']} empty, "
           f"{summary['duplicates_dropped']} duplicates"
+          + (f", {summary['without_user_turn_dropped']} without a user turn" if "without_user_turn_dropped" in summary
+             else "")
           + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
              if "unanswered_dropped" in summary else "")
           + (f", {summary['contaminated_dropped']} sharing {summary['decontamination']['ngram']} words in a row "

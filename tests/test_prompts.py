@@ -222,6 +222,22 @@ def test_truncated_json_with_no_whole_record_or_a_bad_record_is_named(tmp_path):
         prepare_prompts.build_split(settings, "train")
 
 
+def test_rows_without_a_user_turn_fail_or_are_dropped_and_counted(tmp_path):
+    # ShareGPT has empty and assistant-only conversations (274 of the packaged file's 17,671).
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps([sharegpt_record(0), {"id": "e", "conversations": []},
+                               {"id": "g", "conversations": [{"from": "gpt", "value": "Hello!"}]},
+                               sharegpt_record(3)]))
+    settings = settings_for(src, "sharegpt", eval_source=str(src))
+    settings["train"]["allow_truncated"] = True
+    with pytest.raises(PipelineError, match=rf"{src} record 1: no user turn \(roles seen: none\)"):
+        prepare_prompts.build_split(settings, "train")
+    settings["train"]["drop_without_user_turn"] = True
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert sorted(r["id"] for r in rows) == ["sg:0", "sg:3"]
+    assert summary["without_user_turn_dropped"] == summary["sources"][0]["without_user_turn_dropped"] == 2
+
+
 def test_packaged_sharegpt_first_records_and_its_license_note():
     from pipeline_lib.assets import license_note
     from pipeline_lib.prompts import FORMATS, RawRow

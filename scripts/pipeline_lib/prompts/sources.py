@@ -12,7 +12,7 @@ from typing import Any, Iterator
 from ..assets import PREFIX as PYPI_PREFIX, license_note, resolve_asset
 from ..errors import PipelineError
 from ..io import read_jsonl, read_text
-from .formats import AUTO_COLUMNS, FORMATS, Counts, Prompt, RawRow, detect_format
+from .formats import AUTO_COLUMNS, FORMATS, Counts, NoUserTurn, Prompt, RawRow, detect_format
 from .json_list import JsonListStream
 
 # Gzipped JSON(L) is read by `datasets` as is; YAML is chatterbot-corpus's layout.
@@ -37,6 +37,7 @@ class SourceSpec:
     weight: float = 1.0
     answered_only: bool = False  # keep only conversations whose first user turn has the source's answer
     allow_truncated: bool = False  # a JSON list cut off mid-record is read up to its last whole record
+    drop_without_user_turn: bool = False  # rows without a user turn are dropped and counted, not an error
 
     @classmethod
     def from_entry(cls, entry: dict, setting: str) -> "SourceSpec":
@@ -46,7 +47,7 @@ class SourceSpec:
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise PipelineError(f"{setting}.weight = {weight!r}: must be a number > 0")
-        flags = {key: spec.get(key, False) for key in ("answered_only", "allow_truncated")}
+        flags = {key: spec.get(key, False) for key in ("answered_only", "allow_truncated", "drop_without_user_turn")}
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise PipelineError(f"{setting}.{key} = {value!r}: must be true or false")
@@ -219,7 +220,13 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
         prompts = []
         for raw in rows:
             counts.loaded += 1
-            prompt = mapper(raw)
+            try:
+                prompt = mapper(raw)
+            except NoUserTurn:
+                if not spec.drop_without_user_turn:
+                    raise
+                counts.extra["without_user_turn_dropped"] = counts.extra.get("without_user_turn_dropped", 0) + 1
+                continue
             if prompt is None:
                 counts.empty_dropped += 1
             else:
