@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+from ..cli import reject_unknown_keys
 from ..errors import PipelineError
 from ..secrets import scrub
 
@@ -61,10 +62,7 @@ class GenerationSettings:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "GenerationSettings":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise PipelineError(f"generation settings: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        reject_unknown_keys(raw, set(cls.__dataclass_fields__), "generation")
         s = cls(**raw)
         s._validate()
         return s

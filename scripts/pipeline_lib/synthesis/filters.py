@@ -26,6 +26,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cli import reject_unknown_keys
 from ..errors import PipelineError
 from ..prompts.decontamination import WORD, Decontamination
 from ..prompts.formats import Prompt
@@ -50,10 +51,8 @@ class FilterContext:
     @classmethod
     def from_settings(cls, filters: dict[str, Any], markers: list[str],
                       decontamination: Decontamination | None) -> "FilterContext":
-        known = set(cls.__dataclass_fields__) - {"decontamination", "decontamination_ngram"}
-        unknown = sorted(set(filters) - known - {"decontamination_ngram"})
-        if unknown:
-            raise PipelineError(f"synthesize.filters: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        known = set(cls.__dataclass_fields__) - {"decontamination"}
+        reject_unknown_keys(filters, known | {"decontamination_ngram"}, "synthesize.filters")
         values = {k: v for k, v in filters.items() if k in known}
         ctx = cls(**{**values, "markers": sorted(set(values.get("markers") or []) | set(markers))},
                   decontamination=decontamination)

@@ -5,6 +5,7 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..cli import reject_unknown_keys
 from ..errors import PipelineError
 
 BACKENDS = ("vllm", "transformers")  # the raw token-id prompt path; an OpenAI endpoint takes chat messages only
@@ -36,10 +37,7 @@ class SynthesisSettings:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SynthesisSettings":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise PipelineError(f"synthesize settings: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        reject_unknown_keys(raw, set(cls.__dataclass_fields__), "synthesize")
         values = dict(raw)
         topics = values.get("topics") or []
         if not isinstance(topics, list) or not all(
