@@ -150,7 +150,8 @@ def main() -> int:
         "generation_key": gen_key, "settings": s.public(), **info,
         # The tokenizer's special tokens: a request spelling one out carries template markup.
         "template_markers": template_markers(tokenizer),
-        "prompt_prefixes": {str(k): tokenizer.decode(v) for k, v in prefixes.items()},
+        # The rendered prompt per system prompt (null: the template's own default).
+        "prompt_prefixes": [{"system_prompt": k, "prompt": tokenizer.decode(v)} for k, v in prefixes.items()],
         "wall_s": round(time.time() - started, 3), "generate_s": round(generate_s, 3),
         "new_completion_tokens": new_tokens,
         "tokens_per_s": round(new_tokens / generate_s, 1) if generate_s else None,
