@@ -1,6 +1,6 @@
 # EAGLE-3 draft pipeline: target LLM + prompt set -> trained, verified EAGLE-3 draft for vLLM.
 # Read rules/ in this order to see the whole DAG:
-#   target -> prompts -> traces -> tokenize -> hidden_states -> train -> verify
+#   target -> (synthesize ->) prompts -> traces -> tokenize -> hidden_states -> train -> verify
 import os
 import sys
 
@@ -44,6 +44,7 @@ refuse_missing_paths(config)
 
 
 include: "rules/target.smk"
+include: "rules/synthesize.smk"
 include: "rules/prompts.smk"
 include: "rules/traces.smk"
 include: "rules/tokenize.smk"

@@ -456,3 +456,71 @@ def train_source_args(wildcards, input):
     if "hs_manifest" in input.keys():
         return f"--hs-manifest {shlex.quote(input.hs_manifest)}"
     return f"--token-freq {shlex.quote(input.token_freq)}"
+
+
+# --------------------------------------------------------------------------- synthesized prompts
+# rules/synthesize.smk: the requests the target writes itself, a training source where a
+# prompts.train entry says `source: synthesized`.
+
+SYNTHESIZED = f"{R}/synthesized/synthesized.jsonl"
+# What a shard's candidates depend on (with the target's chat_template_kwargs and trust_remote_code).
+SYNTHESIS_KEYS = ("num_prompts", "backend", "max_tokens", "temperature", "top_p", "seed", "batch_size",
+                  "request_timeout_s", "retries", "system_prompt", "topics")
+
+
+def synthesis_settings():
+    s = config["synthesize"]
+    value = {k: s[k] for k in SYNTHESIS_KEYS}
+    value["chat_template_kwargs"] = config["generation"]["chat_template_kwargs"]
+    value["trust_remote_code"] = config["target"]["trust_remote_code"]
+    return json.dumps(value, sort_keys=True)
+
+
+def synthesis_suites():
+    """Every eval suite the synthesized requests are decontaminated against, read whole."""
+    p = config["prompts"]
+    keys = ("source", "format", "split", "revision")
+    entries = [{"setting": "prompts.eval", **{k: p["eval"].get(k) for k in keys}}] if p["eval"]["source"] else []
+    entries += [{"setting": f"prompts.decontaminate_with[{i}]", **{k: e.get(k) for k in keys}}
+                for i, e in enumerate(p["decontaminate_with"])]
+    entries += [{"setting": f"verify.suites[{i}] ({s['name']})", **{k: s.get(k) for k in keys}}
+                for i, s in enumerate(config["verify"]["suites"])]
+    return entries
+
+
+def synthesis_gather_settings():
+    return json.dumps({"filters": config["synthesize"]["filters"], "suites": synthesis_suites()}, sort_keys=True)
+
+
+def synthesis_shards(suffix):
+    n = config["synthesize"]["num_shards"]
+    return [f"{R}/synthesized/shards/{i}-of-{n}{suffix}" for i in range(n)]
+
+
+def uses_synthesized():
+    train = config["prompts"]["train"]
+    return any(e.get("source") == "synthesized" for e in (train if isinstance(train, list) else [train]))
+
+
+def with_synthesized(settings_json):
+    """A prompt split's settings, with where the synthesized prompts are when a training source
+    names them (unchanged otherwise, so existing prompt sets stay up to date)."""
+    value = json.loads(settings_json)
+    if not uses_synthesized() or "train" not in value:
+        return settings_json
+    return json.dumps({**value, "synthesized_path": SYNTHESIZED}, sort_keys=True)
+
+
+def synthesized_input(split):
+    """input of prompts_<split>: the synthesized prompts, when a training source names them and
+    the split reads the training sources."""
+
+    def _input(wildcards):
+        p = config["prompts"]
+        if not uses_synthesized():
+            return []
+        if split == "eval" and not (p["eval"]["source"] is None or p["eval_held_out_samples"]):
+            return []
+        return [SYNTHESIZED]
+
+    return _input

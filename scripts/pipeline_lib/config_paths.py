@@ -12,7 +12,7 @@ from typing import Iterator
 
 from .assets import PREFIX as PYPI_PREFIX, resolve_asset
 from .errors import PipelineError
-from .prompts.sources import FILE_SUFFIXES, file_suffix
+from .prompts.sources import FILE_SUFFIXES, SYNTHESIZED, file_suffix
 
 
 def _prompt_sources(config: dict) -> Iterator[tuple[str, str]]:
@@ -55,7 +55,8 @@ def missing_paths(config: dict) -> list[str]:
     if t["source"] in ("local", "gguf") and t.get("path"):
         check("target.path", t["path"], "directory" if t["source"] == "local" else "file")
     for setting, source in _prompt_sources(config):
-        if source and (source.startswith(PYPI_PREFIX) or _looks_local(source)):
+        # `synthesized` names the synthesize stage's output, not a file.
+        if source and source != SYNTHESIZED and (source.startswith(PYPI_PREFIX) or _looks_local(source)):
             check(setting, source, "file")
     ref = config["verify"].get("reference_draft")
     if ref:

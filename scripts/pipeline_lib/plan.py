@@ -59,11 +59,19 @@ def draft_parameters(hidden: int, vocab: int, draft_vocab: int, layers: int, int
     return 3 * hidden * hidden + layers * per_layer + hidden * draft_vocab + hidden * vocab
 
 
-def train_prompt_count(prompts: dict[str, Any]) -> int | None:
-    """Training prompts the config asks for: num_samples, summed over a mix (capped by
-    mix_num_samples); None when a cap is missing."""
+def synthesized_entries(prompts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The prompts.train entries that read the synthesize stage's requests."""
     train = prompts["train"]
-    caps = [e.get("num_samples") for e in (train if isinstance(train, list) else [train])]
+    return [e for e in (train if isinstance(train, list) else [train]) if e.get("source") == "synthesized"]
+
+
+def train_prompt_count(prompts: dict[str, Any], synthesized: int | None = None) -> int | None:
+    """Training prompts the config asks for: num_samples, summed over a mix (capped by
+    mix_num_samples); None when a cap is missing. A `synthesized` source without a cap counts
+    the requests asked for (`synthesized`: synthesize.num_prompts), an upper bound."""
+    train = prompts["train"]
+    caps = [e.get("num_samples") or (synthesized if e.get("source") == "synthesized" else None)
+            for e in (train if isinstance(train, list) else [train])]
     total = None if None in caps else sum(caps)
     if prompts.get("mix_num_samples") is not None:
         total = prompts["mix_num_samples"] if total is None else min(total, prompts["mix_num_samples"])
@@ -79,7 +87,9 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     gen, tok, hs = config["generation"], config["tokenize"], config["hidden_states"]
     throughput = {**DEFAULT_THROUGHPUT, **(plan_cfg.get("throughput") or {})}
 
-    n_prompts = train_prompt_count(config["prompts"]) or plan_cfg.get("num_prompts")
+    synth = config.get("synthesize") or {}
+    synthesizes = bool(synthesized_entries(config["prompts"]))
+    n_prompts = train_prompt_count(config["prompts"], synth.get("num_prompts")) or plan_cfg.get("num_prompts")
     avg_prompt = plan_cfg.get("avg_prompt_tokens", 128)
     notes = []
     if n_prompts is None:
@@ -140,6 +150,8 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         "train_draft": len(variants), "load_check": len(variants), "contract_checks": len(variants),
         "acceptance": len(variants), "report": len(variants), "compare_variants": 1,
     }
+    if synthesizes:
+        jobs.update(synthesize_shard=synth["num_shards"], synthesize_gather=1)
     extra = {stage: len(found) - 1 for stage, found in per_stage.items() if len(found) > 1}
     if extra:
         notes.append("variants with their own upstream settings add " + ", ".join(f"{n} {stage}" for stage, n in extra.items())
@@ -152,6 +164,9 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         "hidden_states": extraction_h if per_stage["hidden_states"] else 0.0,
         "train": round(sum(v["train_gpu_hours"] for v in variants.values()), 3),
     }
+    if synthesizes:
+        gpu_hours["synthesize"] = round(synth["num_prompts"] * synth["max_tokens"]
+                                        / throughput["generation_tokens_per_s"] / 3600, 3)
     free = plan_cfg.get("disk_free_bytes")
     if free is None:
         free = shutil.disk_usage(results_dir if results_dir.exists() else Path(".")).free
@@ -163,7 +178,8 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         "run_name": config["run_name"],
         "target_shape": shape,
         "jobs": jobs,
-        "resources": {stage: stage_res(stage) for stage in ("default", "traces", "hidden_states", "train", "verify")},
+        "resources": {stage: stage_res(stage)
+                      for stage in ("default", "synthesize", "traces", "hidden_states", "train", "verify")},
         "prompts": n_prompts,
         "trace_completion_tokens_max": completion_tokens,
         "train_tokens_max": train_tokens,
@@ -248,7 +264,8 @@ def human_bytes(n: float | None) -> str:
 def format_plan(plan: dict[str, Any]) -> str:
     lines = [f"Plan for run '{plan['run_name']}' (estimates are upper bounds; no job has run):"]
     lines.append("  jobs per rule (threads / mem_mb / runtime min / gpu):")
-    stage_of = {"traces_shard": "traces", "hidden_states_shard": "hidden_states", "train_draft": "train",
+    stage_of = {"synthesize_shard": "synthesize", "traces_shard": "traces", "hidden_states_shard": "hidden_states",
+                "train_draft": "train",
                 "acceptance": "verify", "load_check": "verify"}
     for rule, n in plan["jobs"].items():
         r = plan["resources"][stage_of.get(rule, "default")]
@@ -271,7 +288,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"  draft '{name}': {v['draft_parameters'] or 0:,} params, checkpoints {human_bytes(v['checkpoint_bytes'])},"
                      f" {v['epochs']} epochs")
     g = plan["gpu_hours"]
-    lines.append(f"  GPU-hours: traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}"
+    synthesis = f"synthesize {g['synthesize']}, " if "synthesize" in g else ""
+    lines.append(f"  GPU-hours: {synthesis}traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}"
                  f" (at {plan['throughput_assumed']})")
     lines.append(f"  disk: {human_bytes(plan['free_disk_bytes'])} free under results/ -> "
                  + ("fits" if plan["fits_disk"] else "DOES NOT FIT"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+from ..cli import reject_unknown_keys
 from ..errors import PipelineError
 from ..secrets import scrub
 
@@ -61,10 +62,7 @@ class GenerationSettings:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "GenerationSettings":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise PipelineError(f"generation settings: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        reject_unknown_keys(raw, set(cls.__dataclass_fields__), "generation")
         s = cls(**raw)
         s._validate()
         return s
@@ -139,6 +137,13 @@ def redact_url(url: str) -> str:
 class PromptRequest:
     id: str
     messages: list[dict[str, Any]]
+    # The raw path: a prompt already rendered to token ids, sent as it is (no chat template is
+    # applied; `messages` is then empty). The synthesize stage renders the target's template up
+    # to an open user turn itself. Backends without it (openai) refuse such requests.
+    prompt_token_ids: list[int] | None = None
+    # A sampling seed of this request's own (vLLM), so that many requests with one prompt
+    # sample differently yet reproducibly; None = the settings' seed.
+    seed: int | None = None
 
 
 @dataclass

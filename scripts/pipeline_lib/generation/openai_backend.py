@@ -111,6 +111,9 @@ class OpenAIBackend(Backend):
     def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
         if not requests:
             return
+        if any(req.prompt_token_ids is not None for req in requests):
+            raise PipelineError("the openai backend sends chat messages only; raw token-id prompts (the "
+                                "synthesize stage) need the vllm or transformers backend")
         pool = ThreadPoolExecutor(max_workers=min(self.settings.batch_size, len(requests)),
                                   thread_name_prefix="chat")
         try:

@@ -22,7 +22,7 @@ class TransformersBackend(Backend):
     (runtime.padded_batch_attention). bench/traces_speed.py measures this backend next to
     `generate` alone on the same batches; bench/decode_designs.py the designs behind it.
     Sampling seeds torch with `seed` before each batch (so sampled answers depend on the batch
-    composition, unlike vLLM's per-request seeds). A batch that runs past request_timeout_s is
+    composition, unlike vLLM's per-request seeds; a request's own `seed` is not used here). A batch that runs past request_timeout_s is
     cut (generate's max_time, the loop's deadline); its unfinished prompts are retried."""
 
     def start(self) -> None:
@@ -85,9 +85,12 @@ class TransformersBackend(Backend):
             yield from self._generate_batch([r for r, _ in chunk], [ids for _, ids in chunk])
 
     def _render(self, req: PromptRequest) -> list[int]:
-        text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
-                                                  **self.settings.chat_template_kwargs)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if req.prompt_token_ids is not None:  # raw: rendered by the caller
+            ids = list(req.prompt_token_ids)
+        else:
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                                      **self.settings.chat_template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.max_positions and len(ids) >= self.max_positions:
             raise ValueError(f"the prompt has {len(ids)} tokens; the target's context is {self.max_positions}")
         return ids

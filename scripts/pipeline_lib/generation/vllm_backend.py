@@ -12,7 +12,7 @@ from .base import (ERROR_INVALID, ERROR_TRANSIENT, Backend, BackendUnavailable, 
 @register("vllm")
 class VllmBackend(Backend):
     """Offline vLLM. Requests go through LLM.enqueue_chat (the target's chat template, as
-    LLM.chat renders it) and the engine is stepped here rather than inside LLM.chat, so that
+    LLM.chat renders it; raw token-id prompts through LLM.enqueue) and the engine is stepped here rather than inside LLM.chat, so that
     each answer is handed over (and cached) the moment it finishes, at most batch_size
     prompts are in flight, and a request past request_timeout_s is aborted."""
 
@@ -61,8 +61,7 @@ class VllmBackend(Backend):
                 while queue and len(in_flight) < s.batch_size:
                     req = queue.popleft()
                     try:
-                        [internal_id] = self.llm.enqueue_chat([req.messages], self.params, use_tqdm=False,
-                                                              chat_template_kwargs=s.chat_template_kwargs or None)
+                        [internal_id] = self._enqueue(req)
                     except self._prompt_errors as err:  # e.g. longer than the context
                         yield Completion.failed(req, err, ERROR_INVALID)
                         continue
@@ -92,6 +91,18 @@ class VllmBackend(Backend):
         finally:
             if in_flight:  # the consumer stopped early (e.g. a fatal error): free the engine
                 engine.abort_request([v[1] for v in in_flight.values()], internal=True)
+
+    def _enqueue(self, req: PromptRequest) -> list[str]:
+        """Chat requests through the target's chat template (as LLM.chat renders it); raw ones
+        (prompt_token_ids) as they are, with their own seed where they carry one."""
+        if req.prompt_token_ids is None:
+            return self.llm.enqueue_chat([req.messages], self.params, use_tqdm=False,
+                                         chat_template_kwargs=self.settings.chat_template_kwargs or None)
+        params = self.params
+        if req.seed is not None:
+            params = params.clone()
+            params.seed = req.seed
+        return self.llm.enqueue([{"prompt_token_ids": list(req.prompt_token_ids)}], params, use_tqdm=False)
 
     def _completion(self, req: PromptRequest, out: Any) -> Completion:
         choice = out.outputs[0]

@@ -4,12 +4,13 @@ FORMATS is the registry (name -> mapper); `format: auto` picks one from the colu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import PipelineError
 
-if TYPE_CHECKING:
-    from .sources import SourceSpec
+
+class NoUserTurn(PipelineError):
+    """A row without any user turn: an error, or (drop_without_user_turn) dropped and counted."""
 
 
 @dataclass
@@ -87,7 +88,7 @@ def _opening(turns: list[tuple[Any, Any]], where: str, roles: dict[str, str]) ->
             messages.append({"role": "user", "content": text})
             return messages, i + 1
     seen = sorted({str(r) for r, _ in turns})
-    raise PipelineError(f"{where}: no user turn (roles seen: {', '.join(seen) or 'none'}); every prompt "
+    raise NoUserTurn(f"{where}: no user turn (roles seen: {', '.join(seen) or 'none'}); every prompt "
                         f"needs one. Fix or remove the row, or check prompts.*.format")
 
 
@@ -175,7 +176,7 @@ def map_prompt(raw: RawRow) -> Prompt | None:
         pairs = [(t.get("role"), t.get("content")) if isinstance(t, dict) else (None, None) for t in prompt]
         return map_conversation(raw, pairs + _answer_pairs(raw.data), OPENAI_ROLES)
     if prompt is None:
-        raise PipelineError(f"{raw.where}: no user turn ('prompt' is empty); fix or remove the row")
+        raise NoUserTurn(f"{raw.where}: no user turn ('prompt' is empty); fix or remove the row")
     pairs = [("system", raw.data.get("system")), ("user", prompt)] + _answer_pairs(raw.data)
     return map_conversation(raw, pairs, OPENAI_ROLES)
 
@@ -183,7 +184,7 @@ def map_prompt(raw: RawRow) -> Prompt | None:
 def map_mtbench(raw: RawRow) -> Prompt | None:
     turns = _require_list(raw.data, "turns", raw.where)
     if not turns:
-        raise PipelineError(f"{raw.where}: no user turn ('turns' is empty); fix or remove the row")
+        raise NoUserTurn(f"{raw.where}: no user turn ('turns' is empty); fix or remove the row")
     qid = raw.data.get("question_id")
     # MT-Bench's questions are all user turns: no answers.
     return map_conversation(raw, [("user", t) for t in turns], OPENAI_ROLES,
@@ -196,7 +197,7 @@ def map_chitchat(raw: RawRow) -> Prompt | None:
     the assistant (turns without senders alternate)."""
     turns = _require_list(raw.data, "messages", raw.where)
     if not turns or not isinstance(turns[0], list):
-        raise PipelineError(f"{raw.where}: no user turn (the conversation has no first message); "
+        raise NoUserTurn(f"{raw.where}: no user turn (the conversation has no first message); "
                             f"fix or remove the row")
     pairs = []
     opener = _sender(turns[0])
@@ -319,11 +320,7 @@ AUTO_COLUMNS = [("conversations", "sharegpt"), ("turns", "mtbench"), ("messages"
                 ("task_description", "codeio"), ("prompt", "prompt"), ("instruction", "instruction")]
 
 
-def detect_format(columns: list[str], spec: SourceSpec) -> str:
-    for column, fmt in AUTO_COLUMNS:
-        if column in columns:
-            return fmt
-    raise PipelineError(f"{spec.setting}.source = {spec.source}: cannot detect the prompt format from its "
-                        f"columns {columns}; expected one of {[c for c, _ in AUTO_COLUMNS]}. Set "
-                        f"{spec.setting}.format")
+def detect_format(columns: list[str]) -> str | None:
+    """The format `format: auto` picks for a source with these columns; None when none fits."""
+    return next((fmt for column, fmt in AUTO_COLUMNS if column in columns), None)
 

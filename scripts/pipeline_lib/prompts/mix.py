@@ -243,6 +243,8 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
         def why(s: Source) -> str:
             return (f"{s.counts.loaded} rows loaded, {s.counts.empty_dropped} empty, "
                     f"{s.counts.duplicates_dropped} duplicates"
+                    + (f", {s.counts.extra.get('without_user_turn_dropped', 0)} without a user turn"
+                       if s.spec.drop_without_user_turn else "")
                     + (f", {s.counts.extra.get('unanswered_dropped', 0)} without an answer (answered_only)"
                        if s.spec.answered_only else "")
                     + (f", {s.counts.extra['contaminated_dropped']} sharing an n-gram with the eval set"
@@ -271,7 +273,7 @@ def build_split(settings: dict, split: str) -> tuple[list[dict], dict[str, Any]]
     totals = {k: sum(src.get(k, 0) for src in per_source)
               for k in ("loaded", "empty_dropped", "duplicates_dropped")}
     extra = {k: sum(src.get(k, 0) for src in per_source)
-             for k in ("unanswered_dropped", "contaminated_dropped", "duplicates_across_sources",
+             for k in ("without_user_turn_dropped", "unanswered_dropped", "contaminated_dropped", "duplicates_across_sources",
                        "held_out_for_eval", "available", "held_out_added")
              if any(k in src for src in per_source)}
     fmt = sources[0].format if len(sources) == 1 else [s.format for s in sources]

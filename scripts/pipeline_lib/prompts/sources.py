@@ -2,16 +2,18 @@
 `datasets` (chitchat's id-keyed JSON and chatterbot's YAML directly) into Prompts."""
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..assets import PREFIX as PYPI_PREFIX, resolve_asset
+from ..assets import PREFIX as PYPI_PREFIX, license_note, resolve_asset
 from ..errors import PipelineError
 from ..io import read_jsonl, read_text
-from .formats import FORMATS, Counts, Prompt, RawRow, detect_format
+from .formats import AUTO_COLUMNS, FORMATS, Counts, NoUserTurn, Prompt, RawRow, detect_format
+from .json_list import JsonListStream
 
 # Gzipped JSON(L) is read by `datasets` as is; YAML is chatterbot-corpus's layout.
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz", ".yml", ".yaml")
@@ -34,6 +36,8 @@ class SourceSpec:
     num_samples: int | None = None
     weight: float = 1.0
     answered_only: bool = False  # keep only conversations whose first user turn has the source's answer
+    allow_truncated: bool = False  # a JSON list cut off mid-record is read up to its last whole record
+    drop_without_user_turn: bool = False  # rows without a user turn are dropped and counted, not an error
 
     @classmethod
     def from_entry(cls, entry: dict, setting: str) -> "SourceSpec":
@@ -43,12 +47,13 @@ class SourceSpec:
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
             raise PipelineError(f"{setting}.weight = {weight!r}: must be a number > 0")
-        answered_only = spec.get("answered_only", False)
-        if not isinstance(answered_only, bool):
-            raise PipelineError(f"{setting}.answered_only = {answered_only!r}: must be true or false")
+        flags = {key: spec.get(key, False) for key in ("answered_only", "allow_truncated", "drop_without_user_turn")}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise PipelineError(f"{setting}.{key} = {value!r}: must be true or false")
         return cls(setting=setting, source=spec["source"], format=spec.get("format") or "auto",
                    split=spec.get("split") or "train", revision=spec.get("revision"),
-                   num_samples=spec.get("num_samples"), weight=float(weight), answered_only=answered_only)
+                   num_samples=spec.get("num_samples"), weight=float(weight), **flags)
 
     @classmethod
     def all_from_settings(cls, settings: dict, split: str) -> list["SourceSpec"]:
@@ -61,6 +66,41 @@ class SourceSpec:
         if not value:
             raise PipelineError("prompts.train is an empty list; give at least one source")
         return [cls.from_entry(entry, f"prompts.train[{i}]") for i, entry in enumerate(value)]
+
+
+# The training source the synthesize stage writes (rules/synthesize.smk): the rules put its
+# file's path in the settings as `synthesized_path`.
+SYNTHESIZED = "synthesized"
+
+
+def resolve_synthesized(settings: dict) -> dict:
+    """The prompt settings with each training source `synthesized` pointing at the synthesize
+    stage's prompt file; an eval source cannot be one (the target's own requests are training data)."""
+    path = settings.get("synthesized_path")
+
+    def entries(value: Any, setting: str) -> list[tuple[str, dict]]:
+        if isinstance(value, list):
+            return [(f"{setting}[{i}]", e) for i, e in enumerate(value) if isinstance(e, dict)]
+        return [(setting, value)] if isinstance(value, dict) else []
+
+    for setting, entry in entries(settings.get("eval"), "prompts.eval") + \
+            entries(settings.get("decontaminate_with"), "prompts.decontaminate_with"):
+        if entry.get("source") == SYNTHESIZED:
+            raise PipelineError(f"{setting}.source = {SYNTHESIZED}: the target's own requests are training data "
+                                f"(prompts.train); measure on an eval set")
+    out = dict(settings)
+    train = settings.get("train")
+    resolved = []
+    for setting, entry in entries(train, "prompts.train"):
+        if entry.get("source") == SYNTHESIZED:
+            if not path:
+                raise PipelineError(f"{setting}.source = {SYNTHESIZED}: the synthesize stage's prompt file is not "
+                                    f"known here; build through Snakemake (rule synthesize_gather makes it)")
+            entry = {**entry, "source": path}
+        resolved.append(entry)
+    if resolved:
+        out["train"] = resolved if isinstance(train, list) else resolved[0]
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,6 +196,7 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
 
     datasets.disable_progress_bars()
     record: dict[str, Any] = {"source": spec.source, "kind": kind}
+    read: dict[str, Any] = {}  # filled while the rows are read (a streamed JSON list's counts)
     with tempfile.TemporaryDirectory(prefix="prompts-datasets-cache-") as cache:
         if kind == "hub":
             record.update(split=spec.split, revision=spec.revision)
@@ -171,28 +212,67 @@ def load_prompts(spec: SourceSpec, counts: Counts) -> tuple[str, str, list[Promp
         else:
             path = Path(ref)
             record["path"] = str(path)
-            rows, columns, native_format = _load_file(path, spec, cache)
-        fmt = native_format or (detect_format(columns, spec) if spec.format == "auto" else spec.format)
+            rows, columns, native_format = _load_file(path, spec, cache, read)
+        fmt = native_format or (auto_format(columns, spec) if spec.format == "auto" else spec.format)
         if fmt not in FORMATS:
             raise PipelineError(f"{spec.setting}.format = {fmt!r}: choose one of auto, {', '.join(FORMATS)}")
         mapper = FORMATS[fmt]
         prompts = []
         for raw in rows:
             counts.loaded += 1
-            prompt = mapper(raw)
+            try:
+                prompt = mapper(raw)
+            except NoUserTurn:
+                if not spec.drop_without_user_turn:
+                    raise
+                counts.extra["without_user_turn_dropped"] = counts.extra.get("without_user_turn_dropped", 0) + 1
+                continue
             if prompt is None:
                 counts.empty_dropped += 1
             else:
                 prompts.append(prompt)
     label = source_label(spec, fmt, kind)
     record["format"] = fmt
+    record.update(read)
+    note = license_note(spec.source)
+    if note:
+        record["license"] = note
     return label, fmt, prompts, record
 
 
-def _load_file(path: Path, spec: SourceSpec, cache: str):
+def auto_format(columns: list[str], spec: SourceSpec) -> str:
+    fmt = detect_format(columns)
+    if fmt is None:
+        raise PipelineError(f"{spec.setting}.source = {spec.source}: cannot detect the prompt format from its "
+                            f"columns {columns}; expected one of {[c for c, _ in AUTO_COLUMNS]}. Set "
+                            f"{spec.setting}.format")
+    return fmt
+
+
+def iter_json_list(path: Path, spec: SourceSpec, read: dict[str, Any]) -> tuple[Iterator[RawRow], list[str]]:
+    """(rows, the first record's keys) of a JSON list read record by record, cut off or not
+    (allow_truncated); `read` receives the counts and the loss at the cut once the rows are read."""
+    stream = JsonListStream(path, spec.setting)
+    records = iter(stream)
+    first = next(records, None)
+    if first is None:
+        where = "is cut off before its first whole record" if not stream.read.complete else "is an empty list"
+        raise PipelineError(f"{path}: the JSON list {where} ({stream.read.file_bytes} bytes); no prompt can be "
+                            f"read from it ({spec.setting}.source)")
+
+    def rows() -> Iterator[RawRow]:
+        for i, data in enumerate(itertools.chain([first], records)):
+            yield RawRow(str(i), f"{path} record {i}", data)
+        read["json_list"] = stream.read.loss()
+
+    return rows(), list(first)
+
+
+def _load_file(path: Path, spec: SourceSpec, cache: str, read: dict[str, Any]):
     """(rows, columns, format if the file's layout implies one) of a local file. JSON is
     checked here first: `datasets` reports a bad line without its line number. The chitchat
-    dataset.json (id -> conversation) is no table, so it is read directly."""
+    dataset.json (id -> conversation) is no table, so it is read directly; so is a JSON list
+    with allow_truncated (record by record, up to the last whole one)."""
     import datasets
 
     linenos = None
@@ -211,11 +291,18 @@ def _load_file(path: Path, spec: SourceSpec, cache: str):
         if not linenos:
             raise PipelineError(f"{path}: the prompt file is empty ({spec.setting}.source)")
         builder, data_files = "json", str(path)
+    elif suffix == ".json" and spec.allow_truncated:
+        rows, columns = iter_json_list(path, spec, read)
+        return rows, columns, None
     elif suffix == ".json":
+        text = read_text(path, "prompt file")
         try:
-            data = json.loads(read_text(path, "prompt file"))
+            data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+            cut = (f"; the file ends mid-document (cut off?): {spec.setting}.allow_truncated: true reads a JSON "
+                   f"list up to its last whole record and reports the loss"
+                   if err.pos >= len(text.rstrip()) - 16 or err.msg.startswith("Unterminated string") else "")
+            raise PipelineError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}){cut}") from None
         if spec.format == "champ":
             return iter_champ_json(path, data), ["_text", "category"], "champ"
         if isinstance(data, dict) and spec.format in ("auto", "chitchat") and _looks_like_chitchat(data):
