@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""The verification report of one draft variant: contract checks, acceptance in vLLM
-(trained vs untrained vs no speculation), thresholds PASS/FAIL, training curves and the
-provenance chain from prompts to draft.
+"""The verification report of one draft variant: one table first (tau per eval suite with its
+95% interval, the speedup with its interval or why it is not measured, PASS/FAIL), then the
+thresholds, eval suites, acceptance in vLLM (trained vs untrained vs no speculation),
+throughput, contract checks, training curves and the provenance chain from prompts to draft.
+Each section is a module of pipeline_lib/report/ (document.SECTIONS: their order).
 
 Writes into --out-dir: verification.json (every number), report.md and a self-contained
 report.html (plots embedded as PNG; no external links or files).
