@@ -74,6 +74,7 @@ def variant_row(path: Path) -> dict[str, Any]:
         row[f"{SUITE_PREFIX}{suite}:interval_low"], row[f"{SUITE_PREFIX}{suite}:interval_high"] = \
             s["interval"] or (None, None)
         row[f"{SUITE_PREFIX}{suite}:degenerate"] = s["degenerate"]["count"]
+        row[f"{SUITE_PREFIX}{suite}:label"] = (get_in(v, "suites", "labels") or {}).get(suite, suite)
     t = get_in(acc, "throughput") or {}
     row["speedup"] = t.get("speedup")
     row["speedup_measured_at"] = t.get("speedup_measured_at")
@@ -157,7 +158,10 @@ def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] 
             low, high = r.get(f"{SUITE_PREFIX}{s}:interval_low"), r.get(f"{SUITE_PREFIX}{s}:interval_high")
             return fmt(r.get(SUITE_PREFIX + s)) + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
 
-        tables.append(Table(["variant", *(f"{s}: tau [95%]" for s in suites)],
+        def label(s: str) -> str:  # as the reports name it (MT-Bench for `eval`, ...)
+            return next((r[f"{SUITE_PREFIX}{s}:label"] for r in rows if r.get(f"{SUITE_PREFIX}{s}:label")), s)
+
+        tables.append(Table(["variant", *(f"{label(s)}: tau [95%]" for s in suites)],
                             [[r["variant"], *(tau_cell(r, s) for s in suites)] for r in rows]))
     if diffs:
         tables.append(Table(["variant", "against", "suite", "prompts", "tau difference", "95% interval (paired)",

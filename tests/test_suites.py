@@ -207,7 +207,7 @@ def test_real_run_reports_every_suite_with_intervals_and_degenerate_counts(e2e):
     assert overlap["suite_prompts"] == 2 and overlap["count"] >= 0 and "over_threshold" in overlap
     html = (r / "drafts/default/report/report.html").read_text()
     assert "Eval suites" in html and "Acceptance length per suite and category (95% intervals)" in html
-    assert "code: tau [95%]" in (r / "drafts/comparison.md").read_text()
+    assert "| variant | code (HumanEval): tau [95%] | MT-Bench: tau [95%] |" in (r / "drafts/comparison.md").read_text()
     # The report leads with one table, each suite named by its source (the config names `code`).
     assert v["suites"]["labels"] == {"eval": "MT-Bench", "code": "code (HumanEval)"}
     md = (r / "drafts/default/report/report.md").read_text()
