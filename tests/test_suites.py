@@ -97,7 +97,7 @@ def test_decontaminate_with_keeps_a_declared_suite_out_of_training(tmp_path):
 
 
 def test_overlap_over_threshold_is_marked_in_the_report_summary():
-    from make_report import suites_summary, suites_section
+    from pipeline_lib.report.suites import sections, suites_summary
 
     acc = {"status": "ok", "requests": {n: [{"id": "code/a", "suite": "code", "num_drafts": 4,
                                             "num_accepted_tokens": 2, "degenerate": None}] for n in
@@ -107,7 +107,7 @@ def test_overlap_over_threshold_is_marked_in_the_report_summary():
     low = suites_summary(acc, [dict(overlap)], {"overlap_threshold": 0.1})
     high = suites_summary(acc, [dict(overlap)], {"overlap_threshold": 0.02})
     assert not low["overlap"]["code"]["over_threshold"] and high["overlap"]["code"]["over_threshold"]
-    text = json.dumps([s.__dict__ for s in suites_section(high)], default=lambda o: o.__dict__)
+    text = json.dumps([s.__dict__ for s in sections({"suites": high})], default=lambda o: o.__dict__)
     assert "OVER THRESHOLD" in text and "not decontaminated at training" in text
 
 
