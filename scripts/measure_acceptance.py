@@ -121,12 +121,17 @@ def main() -> int:
         backend = acc.BACKENDS[settings["backend"]]
         runs, notes = backend.drafts(spec, engine_script=str(Path(__file__).resolve()))
         runs["no_draft"] = no_draft
-        rounds, cost = backend.speedup(spec, engine_script=str(Path(__file__).resolve()))
+        try:  # the acceptance numbers stand without the speedup: a failed round is its own "not measured"
+            rounds, cost = backend.speedup(spec, engine_script=str(Path(__file__).resolve()))
+        except acc.BackendFailure as fail:
+            print(f"[acceptance] {fail.run}: {fail.message}", file=sys.stderr)
+            rounds, cost = [], {"error": scrub(f"{fail.run}: {fail.message}")}
         trained = runs["trained"].global_block or acc.steps_block(
             [s for r in runs["trained"].records for s in acc.request_steps(r)], spec.num_speculative_tokens)
         throughput = acc.throughput(
             rounds, {s: trained["mean_acceptance_length"] for s in ("batch", "concurrency_1")},
-            settings["speedup_tolerance"], {"batch": len(spec.speedup_batch), "concurrency_1": len(spec.concurrency_one)})
+            settings["speedup_tolerance"], {"batch": len(spec.speedup_batch), "concurrency_1": len(spec.concurrency_one)},
+            cost.get("error"))
         body = {"status": "ok", "error": None,
                 **acc.assemble(spec, settings["backend"], runs, notes, marker_or_reason if end_id is not None else None,
                                throughput)}

@@ -662,6 +662,21 @@ def test_speedup_decision_flags_rounds_that_disagree():
     assert decide(rounds_of([(10.0, 11.0), (10.0, 10.0), (10.0, 11.2)]), tau=2.0, tolerance=0.25)["measured"]
 
 
+def test_speedup_without_rounds_is_not_measured_with_the_reason_in_the_first_table():
+    """An engine of the rounds that did not start: no figure, its message in the report's first table."""
+    from pipeline_lib.acceptance.speedup import throughput
+    from pipeline_lib.report.headline import summary_rows
+
+    t = throughput([], {"batch": 2.0, "concurrency_1": 2.0}, 0.25, {"batch": 4, "concurrency_1": 2},
+                   "speedup:with_draft: RuntimeError: out of memory")
+    assert t["speedup"] is None and t["batch"] is None and t["concurrency_1"] is None
+    acc = {"status": "ok", "num_prompts": 4, "throughput": t,
+           "acceptance": {"trained": {"mean_acceptance_length": 2.0, "prompts": 4}}}
+    rows = summary_rows({"acceptance": acc, "thresholds": [], "suites": None})
+    assert rows[-1] == ["speedup", "not measured",
+                        "(no speedup rounds ran (speedup:with_draft: RuntimeError: out of memory))", ""]
+
+
 def test_speedup_rounds_alternate_and_the_test_load_hits_one_arm(monkeypatch):
     """An untimed warm-up round, then round 1 without and with the draft, round 2 the other way round; the test hook loads
     exactly the arm it names, with real busy processes (seen by the arm as a slower clock)."""

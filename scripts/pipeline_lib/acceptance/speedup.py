@@ -114,10 +114,11 @@ def run_rounds(arms: dict[str, Callable[[], dict]], rounds: int, log: Callable[[
 
 
 def throughput(rounds: list[dict], taus: dict[str, float | None], tolerance: float,
-               prompts: dict[str, int]) -> dict[str, Any]:
+               prompts: dict[str, int], error: str | None = None) -> dict[str, Any]:
     """acceptance.json "throughput": per setting the summed tokens and seconds of each arm,
     the per-round figures and the decision; the headline at concurrency 1 where measured.
-    taus: the bound per setting where the rounds did not count verify steps themselves."""
+    taus: the bound per setting where the rounds did not count verify steps themselves;
+    error: why the rounds did not run (an engine that failed to start)."""
     out: dict[str, Any] = {}
     for setting in SETTINGS:
         if not rounds or any(not r[arm].get(setting) for r in rounds for arm in ARMS):
@@ -140,7 +141,8 @@ def throughput(rounds: list[dict], taus: dict[str, float | None], tolerance: flo
     out.update(speedup=headline["speedup"] if headline else None,
                speedup_interval=headline["interval"] if headline and headline["measured"] else None,
                speedup_measured_at=headline_at,
-               speedup_not_measured=(headline["reason"] if headline else "no speedup rounds ran"),
+               speedup_not_measured=(headline["reason"] if headline else "no speedup rounds ran"
+                                     + (f" ({error})" if error else "")),
                method=f"{len(rounds)} interleaved rounds in the acceptance job (without / with the draft, the order "
                       f"alternating); speedup = mean of the per-round ratios, 95% Student-t interval over rounds")
     return out

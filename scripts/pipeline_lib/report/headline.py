@@ -46,6 +46,8 @@ def summary_rows(result: dict) -> list[list[str]]:
         rows.append([f"tau, {suites['labels'].get(name, name)} ({s['prompts']} prompts)",
                      fmt(s["mean_acceptance_length"], 2), f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}" if lo_hi else "n/a", ""])
     t = acc.get("throughput") or {}
+    if not any(t.get(key) for key in SETTING_LABELS):  # no rounds ran (e.g. an engine did not start)
+        rows.append(["speedup", "not measured", f"({t.get('speedup_not_measured') or 'no rounds ran'})", ""])
     for key, label in SETTING_LABELS.items():
         g = t.get(key)
         if not g:
