@@ -2,6 +2,8 @@
 # acceptance measured in real vLLM (trained vs untrained draft vs no speculation: the target
 # alone measured once per set of baseline settings, shared by the variants), and the
 # report people read. A draft vLLM cannot load still gets a report stating vLLM's message.
+# The speedup is measured inside the acceptance job (interleaved rounds), never across jobs.
+from pipeline_lib.acceptance.job import with_speedup_settings
 
 
 rule contract_checks:
@@ -111,7 +113,9 @@ rule acceptance:
     params:
         script=script("measure_acceptance.py"),
         gpu_wrapper=script("run_on_gpus.py"),
-        settings=lambda wc: acceptance_settings(wc.variant),
+        # The speedup rounds' settings: only this job reads them (not the shared baseline).
+        settings=lambda wc: with_speedup_settings(acceptance_settings(wc.variant),
+                                                  stages.variant_config(config, wc.variant)["verify"]),
         suites=lambda wc: suite_flags(),
         code=code_version("measure_acceptance.py", "run_on_gpus.py"),
     conda:

@@ -24,6 +24,7 @@ from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
+from pipeline_lib.report.throughput import speedup_text  # noqa: E402
 from pipeline_lib.suite_stats import BASE_SUITE, paired_difference  # noqa: E402
 
 PLOT = "Mean acceptance length per variant"
@@ -31,7 +32,8 @@ PLOT = "Mean acceptance length per variant"
 SUMMARY_COLUMNS = {"variant": "variant", "changed_settings": "settings changed from the base config",
                    "verdict": "verdict", "mean_acceptance_length_trained": "mean acceptance length: trained",
                    "mean_acceptance_length_untrained": "untrained", "acceptance_rates_trained":
-                   "trained: acceptance rate per position", "val_loss": "validation loss", "speedup": "speedup",
+                   "trained: acceptance rate per position", "val_loss": "validation loss",
+                   "speedup_shown": "speedup [95%] or why not measured",
                    "traces": "traces", "tokenized": "tokenized", "hidden_states": "hidden states"}
 CATEGORY_PREFIX = "mean_acceptance_length_trained:"
 SUITE_PREFIX = "suite:"
@@ -72,10 +74,18 @@ def variant_row(path: Path) -> dict[str, Any]:
         row[f"{SUITE_PREFIX}{suite}:interval_low"], row[f"{SUITE_PREFIX}{suite}:interval_high"] = \
             s["interval"] or (None, None)
         row[f"{SUITE_PREFIX}{suite}:degenerate"] = s["degenerate"]["count"]
-    row["speedup"] = get_in(acc, "throughput", "speedup")
-    row["speedup_measured_at"] = get_in(acc, "throughput", "speedup_measured_at")
-    row["speedup_batch"] = get_in(acc, "throughput", "batch", "speedup")
-    row["speedup_concurrency_1"] = get_in(acc, "throughput", "concurrency_1", "speedup")
+        row[f"{SUITE_PREFIX}{suite}:label"] = (get_in(v, "suites", "labels") or {}).get(suite, suite)
+    t = get_in(acc, "throughput") or {}
+    row["speedup"] = t.get("speedup")
+    row["speedup_measured_at"] = t.get("speedup_measured_at")
+    # Interval or reason: what the summary table shows (a figure a load change made is not one).
+    row["speedup_shown"] = speedup_text(t.get(t["speedup_measured_at"])) if t.get("speedup_measured_at") else "n/a"
+    for key in ("batch", "concurrency_1"):
+        entry = t.get(key) or {}
+        row[f"speedup_{key}"] = entry.get("speedup")
+        row[f"speedup_{key}_interval_low"], row[f"speedup_{key}_interval_high"] = \
+            entry.get("interval") if entry.get("speedup") is not None else (None, None)
+        row[f"speedup_{key}_not_measured"] = entry.get("reason")
     training = v.get("training") or {}
     row["selected_epoch"] = training.get("selected_epoch")
     for key, value in (training.get("selected_val") or {}).items():
@@ -132,6 +142,8 @@ def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] 
             rates = [row[c] for c in row if c.startswith("acceptance_rate_pos") and c.endswith("_trained")]
             return fmt(rates) if rates else "n/a"
         value = row.get(column)
+        if column == "speedup_shown":
+            return value
         return "(base config)" if column == "changed_settings" and not value else fmt(value)
 
     tables = [Table(list(SUMMARY_COLUMNS.values()), [[cell(r, c) for c in SUMMARY_COLUMNS] for r in rows])]
@@ -146,7 +158,10 @@ def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] 
             low, high = r.get(f"{SUITE_PREFIX}{s}:interval_low"), r.get(f"{SUITE_PREFIX}{s}:interval_high")
             return fmt(r.get(SUITE_PREFIX + s)) + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
 
-        tables.append(Table(["variant", *(f"{s}: tau [95%]" for s in suites)],
+        def label(s: str) -> str:  # as the reports name it (MT-Bench for `eval`, ...)
+            return next((r[f"{SUITE_PREFIX}{s}:label"] for r in rows if r.get(f"{SUITE_PREFIX}{s}:label")), s)
+
+        tables.append(Table(["variant", *(f"{label(s)}: tau [95%]" for s in suites)],
                             [[r["variant"], *(tau_cell(r, s) for s in suites)] for r in rows]))
     if diffs:
         tables.append(Table(["variant", "against", "suite", "prompts", "tau difference", "95% interval (paired)",
@@ -157,7 +172,8 @@ def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] 
     return [Section(f"Draft variants compared ({len(rows)})", [
         "One row per variant: the settings it changes from the base config, its verification verdict, the mean "
         "acceptance length of its trained and untrained draft (1.0 = the draft never helps), the trained "
-        "draft's acceptance rate per position, the selected epoch's validation loss, the speedup, and the "
+        "draft's acceptance rate per position, the selected epoch's validation loss, the speedup measured in "
+        "interleaved rounds (with its 95% interval, or why it is not measured), and the "
         "directories of the traces, tokenized data and hidden states it is built from (shared where the "
         "settings are equal); then the trained draft's mean acceptance length per eval category, and per "
         "eval suite with its 95% bootstrap interval. Each variant is compared with the first by a paired "

@@ -6,8 +6,10 @@ with the same baseline settings (pipeline_lib.acceptance.BASELINE_KEYS) shares.
 
 Writes acceptance.json: mean acceptance length, per-position acceptance rates, drafts / draft
 tokens / accepted tokens, per-category and (for reasoning targets) per reasoning/answer span
-acceptance, output tokens/s with and without the draft (all prompts at once and one prompt at
-a time), and a token-by-token comparison of greedy outputs with and without speculation.
+acceptance, output tokens/s with and without the draft (verify.speedup_batch_prompts prompts at
+once and verify.concurrency_one_prompts one at a time) measured here in interleaved rounds, the
+speedup with its interval or why it is not measured (pipeline_lib.acceptance.speedup), and a
+token-by-token comparison of greedy outputs with and without speculation.
 
 Several eval suites are measured in one job: --prompts (suite `eval`) and one --suite NAME=PATH
 per verify.suites entry; each request row records its suite and whether its answer is
@@ -24,7 +26,8 @@ backend's own message and the script still exits 0, so the report can show it.
 Settings (config.yaml `verify`): backend (vllm | transformers), num_speculative_tokens,
 num_prompts (null = all), max_tokens, dtype (float32 on CPU: greedy equality is exact only
 in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser, batch_size
-(transformers backend: prompts per batched pass); optional
+(transformers backend: prompts per batched pass), speedup_rounds, speedup_batch_prompts,
+speedup_tolerance; optional
 chat_template_kwargs and trust_remote_code.
 """
 from __future__ import annotations
@@ -115,16 +118,32 @@ def main() -> int:
         header["spans_unavailable"] = marker_or_reason
     try:
         no_draft = acc.load_baseline(args.baseline, spec, settings)
-        runs, notes = acc.BACKENDS[settings["backend"]].drafts(spec, engine_script=str(Path(__file__).resolve()))
+        backend = acc.BACKENDS[settings["backend"]]
+        runs, notes = backend.drafts(spec, engine_script=str(Path(__file__).resolve()))
         runs["no_draft"] = no_draft
+        try:  # the acceptance numbers stand without the speedup: a failed round is its own "not measured"
+            rounds, cost = backend.speedup(spec, engine_script=str(Path(__file__).resolve()))
+        except acc.BackendFailure as fail:
+            print(f"[acceptance] {fail.run}: {fail.message}", file=sys.stderr)
+            rounds, cost = [], {"error": scrub(f"{fail.run}: {fail.message}")}
+        trained = runs["trained"].global_block or acc.steps_block(
+            [s for r in runs["trained"].records for s in acc.request_steps(r)], spec.num_speculative_tokens)
+        throughput = acc.throughput(
+            rounds, {s: trained["mean_acceptance_length"] for s in ("batch", "concurrency_1")},
+            settings["speedup_tolerance"], {"batch": len(spec.speedup_batch), "concurrency_1": len(spec.concurrency_one)},
+            cost.get("error"))
         body = {"status": "ok", "error": None,
-                **acc.assemble(spec, settings["backend"], runs, notes, marker_or_reason if end_id is not None else None)}
+                **acc.assemble(spec, settings["backend"], runs, notes, marker_or_reason if end_id is not None else None,
+                               throughput)}
+        body["timing"]["speedup_engines"] = cost
         annotate_requests(body["requests"], runs, suite_by_id, tokenizer, settings["degenerate"])
         summary = body["acceptance"]["trained"]
+        t = body["throughput"]
         print(f"[acceptance] trained draft: mean acceptance length {summary['mean_acceptance_length']}, "
               f"per position {summary['acceptance_rate_per_position']}; untrained: "
-              f"{body['acceptance']['untrained']['mean_acceptance_length']}; "
-              f"speedup {body['throughput']['speedup']} ({body['throughput']['speedup_measured_at']})", file=sys.stderr)
+              f"{body['acceptance']['untrained']['mean_acceptance_length']}; speedup at {t['speedup_measured_at']}: "
+              + (f"{t['speedup']:.2f}, 95% interval {t['speedup_interval'][0]:.2f}-{t['speedup_interval'][1]:.2f}"
+                 if t["speedup"] is not None else f"not measured ({t['speedup_not_measured']})"), file=sys.stderr)
     except acc.BackendFailure as fail:
         print(f"[acceptance] {fail.run}: the {settings['backend']} backend failed: {fail.message}", file=sys.stderr)
         body = {"status": "error", "error": scrub(fail.message), "error_run": fail.run,

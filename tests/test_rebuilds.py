@@ -221,6 +221,10 @@ CASES = {
     "train_lr": (lambda c: c["train"].update(lr=0.01), AFTER_TRAIN),
     "draft_vocab_size": (lambda c: c["train"].update(draft_vocab_size=256), AFTER_TRAIN),
     "verify_k": (lambda c: c["verify"].update(num_speculative_tokens=2), MEASURED),
+    # The speedup is timed in the acceptance job alone: its settings leave the baseline as it is.
+    "verify_speedup": (lambda c: c["verify"].update(speedup_rounds=4, speedup_tolerance=0.3, concurrency_one_prompts=1),
+                       VERIFY_ONLY),
+    "verify_eval_name": (lambda c: c["verify"].update(eval_name="chat"), {job("report", variant="default")} | COMPARE),
     "verify_threshold": (lambda c: c["verify"]["thresholds"].update(min_mean_acceptance_length=1.1),
                          {job("report", variant="default")} | COMPARE),
     "verify_serve_render_rows": (lambda c: c["verify"].update(serve_render_rows=3),

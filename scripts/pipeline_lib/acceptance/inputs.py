@@ -42,11 +42,17 @@ class MeasureSpec:
     trust_remote_code: bool = False
     seed: int = 0
     batch_size: int = 64                 # transformers backend: sequences per batched pass
+    speedup_rounds: int = 3              # interleaved rounds without / with the draft (speedup.py)
+    speedup_batch_prompts: int | None = None  # prompts decoded at once in each round; None = all
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
 
     @property
     def concurrency_one(self) -> list[EvalPrompt]:
         return self.prompts[: self.concurrency_one_prompts]
+
+    @property
+    def speedup_batch(self) -> list[EvalPrompt]:
+        return self.prompts[: self.speedup_batch_prompts] if self.speedup_batch_prompts else list(self.prompts)
 
     @property
     def untrained_subset(self) -> list[EvalPrompt]:

@@ -22,15 +22,25 @@ from .inputs import MeasureSpec, answer_room, load_eval_prompts
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,
             "dtype": "float32", "concurrency_one_prompts": 8, "untrained_prompts": None, "reasoning_parser": None,
             "chat_template_kwargs": {}, "trust_remote_code": False, "suites": [], "degenerate": {},
-            "batch_size": 64}
+            "batch_size": 64, "speedup_rounds": 3, "speedup_batch_prompts": 16, "speedup_tolerance": 0.25}
 # The settings the run without speculation depends on (with the target, the eval prompt and
 # suite files): which prompts (num_prompts, suites, chat_template_kwargs, and the context room
 # for the answer, max_tokens + num_speculative_tokens, that decides which long prompts are
-# skipped), how they are decoded and timed (backend, dtype, max_tokens, concurrency_one_prompts,
-# batch_size: the transformers backend's batches) and how the target loads. Not the draft's:
-# untrained_prompts, reasoning_parser and degenerate only read the drafts' outputs.
+# skipped), how they are decoded (backend, dtype, max_tokens, batch_size: the transformers
+# backend's batches) and how the target loads. Not the draft's: untrained_prompts,
+# reasoning_parser and degenerate only read the drafts' outputs; nothing timed either: the
+# speedup is measured in the acceptance job (concurrency_one_prompts, speedup_*: speedup.py).
 BASELINE_KEYS = ("backend", "num_speculative_tokens", "num_prompts", "max_tokens", "dtype",
-                 "concurrency_one_prompts", "batch_size", "chat_template_kwargs", "trust_remote_code", "suites")
+                 "batch_size", "chat_template_kwargs", "trust_remote_code", "suites")
+
+# What only the acceptance job's speedup rounds read (speedup.py), from config.yaml `verify`.
+SPEEDUP_KEYS = ("speedup_rounds", "speedup_batch_prompts", "speedup_tolerance")
+
+
+def with_speedup_settings(settings_json: str, verify: dict) -> str:
+    """The acceptance job's settings: the measurement's (rules/common.smk acceptance_settings)
+    and the speedup rounds'."""
+    return json.dumps({**json.loads(settings_json), **{k: verify[k] for k in SPEEDUP_KEYS}}, sort_keys=True)
 
 
 def effective_settings(given: dict) -> dict:
@@ -46,6 +56,9 @@ def effective_settings(given: dict) -> dict:
                                                or s["untrained_prompts"] < 1):
         raise PipelineError(f"setting verify.untrained_prompts = {s['untrained_prompts']!r}: must be null "
                             f"(all eval prompts) or an integer >= 1")
+    if not isinstance(s["speedup_rounds"], int) or s["speedup_rounds"] < 2:
+        raise PipelineError(f"setting verify.speedup_rounds = {s['speedup_rounds']!r}: must be an integer >= 2 "
+                            f"(the speedup's interval is over rounds)")
     if s["dtype"] not in ("float32", "bfloat16", "float16"):
         raise PipelineError(f"setting verify.dtype = {s['dtype']!r}: use float32, bfloat16 or float16")
     return s
@@ -143,5 +156,6 @@ def measure_spec(args, settings: dict, tokenizer, draft: str = "", untrained: st
         untrained_prompts=settings["untrained_prompts"],
         eos_token_ids=eos_token_ids(Path(args.target), tokenizer),
         context_limit=context_limit, batch_size=settings["batch_size"],
+        speedup_rounds=settings["speedup_rounds"], speedup_batch_prompts=settings["speedup_batch_prompts"],
         trust_remote_code=settings["trust_remote_code"])
     return spec, skipped, suite_by_id

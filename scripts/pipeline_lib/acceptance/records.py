@@ -126,17 +126,6 @@ def request_summaries(records: list[RequestRecord]) -> list[dict]:
     return out
 
 
-def throughput_entry(tokens_with: int, wall_with: float, tokens_without: int, wall_without: float,
-                     prompts: int) -> dict[str, Any]:
-    with_s = tokens_with / wall_with if wall_with > 0 else None
-    without_s = tokens_without / wall_without if wall_without > 0 else None
-    return {"prompts": prompts,
-            "with_draft": {"output_tokens": tokens_with, "wall_s": round(wall_with, 4), "tokens_per_s": with_s},
-            "without_draft": {"output_tokens": tokens_without, "wall_s": round(wall_without, 4),
-                              "tokens_per_s": without_s},
-            "speedup": (with_s / without_s) if with_s and without_s else None}
-
-
 @dataclass
 class RunResult:
     """One configuration (trained | untrained | no_draft) of one backend."""
@@ -166,12 +155,15 @@ class BackendFailure(Exception):
 
 @dataclass
 class Backend:
-    """One backend's two measurements, each `(spec, engine_script=...)`:
+    """One backend's three measurements, each `(spec, engine_script=...)`:
     `no_draft` -> (RunResult, notes): the target alone, greedy (the shared baseline job);
-    `drafts` -> ({"trained": RunResult, "untrained": RunResult}, notes): speculation with each draft."""
+    `drafts` -> ({"trained": RunResult, "untrained": RunResult}, notes): speculation with each draft;
+    `speedup` -> (rounds, cost): interleaved timed rounds without / with the trained draft
+    (speedup.run_rounds), and what keeping both up cost."""
 
     no_draft: Callable[..., "tuple[RunResult, list[str]]"] | None = None
     drafts: Callable[..., "tuple[dict[str, RunResult], list[str]]"] | None = None
+    speedup: Callable[..., "tuple[list[dict], dict]"] | None = None
 
 
 # Backends by settings.backend value. A new backend is one module that registers both parts here.
@@ -179,8 +171,8 @@ BACKENDS: dict[str, Backend] = {}
 
 
 def register(name: str, part: str) -> Callable[[Callable], Callable]:
-    if part not in ("no_draft", "drafts"):
-        raise ValueError(f"backend part {part!r}: use no_draft or drafts")
+    if part not in ("no_draft", "drafts", "speedup"):
+        raise ValueError(f"backend part {part!r}: use no_draft, drafts or speedup")
 
     def wrap(fn: Callable) -> Callable:
         setattr(BACKENDS.setdefault(name, Backend()), part, fn)

@@ -5,11 +5,13 @@ from typing import Any
 
 from .inputs import MeasureSpec
 from .records import RunResult, greedy_equality, per_category, per_span, request_steps, request_summaries, \
-    steps_block, throughput_entry
+    steps_block
+
 
 def assemble(spec: MeasureSpec, backend: str, runs: dict[str, RunResult], notes: list[str],
-             reasoning_marker: str | None) -> dict[str, Any]:
-    """The acceptance.json body (minus the header measure_acceptance.py adds)."""
+             reasoning_marker: str | None, throughput: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance.json body (minus the header measure_acceptance.py adds); throughput:
+    the speedup rounds' (speedup.throughput)."""
     k = spec.num_speculative_tokens
     acceptance, consistency = {}, {}
     for name in ("trained", "untrained"):
@@ -28,26 +30,6 @@ def assemble(spec: MeasureSpec, backend: str, runs: dict[str, RunResult], notes:
         acceptance[name]["prompts"] = len(run.records)
 
     base = runs["no_draft"]
-    throughput: dict[str, Any] = {"batch": None, "concurrency_1": None}
-    if runs["trained"].batched and base.batched:
-        throughput["batch"] = throughput_entry(
-            acceptance["trained"]["output_tokens"], runs["trained"].wall_s,
-            sum(len(r.token_ids) for r in base.records), base.wall_s, len(spec.prompts))
-        throughput["batch"]["untrained_draft_tokens_per_s"] = (
-            acceptance["untrained"]["output_tokens"] / runs["untrained"].wall_s if runs["untrained"].wall_s else None)
-    if runs["trained"].concurrency_one and base.concurrency_one:
-        c1 = runs["trained"].concurrency_one
-        throughput["concurrency_1"] = throughput_entry(
-            sum(len(r.token_ids) for r in c1), runs["trained"].concurrency_one_wall_s,
-            sum(len(r.token_ids) for r in base.concurrency_one), base.concurrency_one_wall_s, len(c1))
-        throughput["concurrency_1"]["mean_acceptance_length"] = steps_block(
-            [s for r in c1 for s in request_steps(r)], k)["mean_acceptance_length"]
-    # The headline speedup: concurrency 1 where measured (where speculation is meant to pay).
-    headline = throughput["concurrency_1"] or throughput["batch"]
-    throughput["speedup"] = headline["speedup"] if headline else None
-    throughput["speedup_measured_at"] = ("concurrency_1" if throughput["concurrency_1"]
-                                         else "batch" if throughput["batch"] else None)
-
     spans = None
     if spec.reasoning_end_token_id is not None:
         spans = {"end_marker": reasoning_marker, "end_marker_token_id": spec.reasoning_end_token_id,

@@ -16,7 +16,8 @@ from .batched import (draft_proposals, greedy_continuations, plain_record, right
 from .chain import ChainSpeculator, greedy_plain
 from .draft import EagleDraft, load_draft_for_transformers
 from .inputs import EvalPrompt, MeasureSpec
-from .records import BackendFailure, RequestRecord, RunResult, register
+from .records import BackendFailure, RequestRecord, RunResult, register, request_steps
+from .speedup import run_rounds
 
 
 def _named(rec: RequestRecord, prompt: EvalPrompt) -> RequestRecord:
@@ -107,8 +108,7 @@ def _one_at_a_time(fn, prompts: list[EvalPrompt]) -> tuple[list[RequestRecord], 
 
 @register("transformers", "no_draft")
 def measure_transformers_no_draft(spec: MeasureSpec, engine_script: str | None = None) -> tuple[RunResult, list[str]]:
-    """The target alone: batched greedy generation (the outputs speculation must reproduce),
-    and plain greedy decoding one prompt at a time (the concurrency-1 reference)."""
+    """The target alone: batched greedy generation (the outputs speculation must reproduce)."""
     import torch
 
     target, device = _load_target(spec)
@@ -125,12 +125,8 @@ def measure_transformers_no_draft(spec: MeasureSpec, engine_script: str | None =
             _sync(device)
             generate_s += time.perf_counter() - t0
             by_id.update((p.id, _named(plain_record(c, spec.max_tokens, eos), p)) for p, c in zip(batch, conts))
-        spec.log(f"[acceptance] no_draft: plain greedy on {len(spec.concurrency_one)} prompts, one at a time")
-        c1, c1_wall = _one_at_a_time(lambda ids: greedy_plain(target, ids, spec.max_tokens, eos, device),
-                                     spec.concurrency_one)
-    run = RunResult(records=[by_id[p.id] for p in spec.prompts], wall_s=generate_s, concurrency_one=c1,
-                    concurrency_one_wall_s=c1_wall,
-                    parts_s={"generate": round(generate_s, 4), "concurrency_one_plain": round(c1_wall, 4)})
+    run = RunResult(records=[by_id[p.id] for p in spec.prompts], wall_s=generate_s,
+                    parts_s={"generate": round(generate_s, 4)})
     return run, []
 
 
@@ -176,6 +172,34 @@ def measure_transformers(spec: MeasureSpec, engine_script: str | None = None) ->
              "teacher-forced target pass, k draft passes at every position; see self_check for its equality "
              "with step-by-step chain speculation); the batch throughput is not measured (no speculative "
              "serving engine); concurrency_1 compares chain speculation vs plain greedy decoding in the same "
-             "Python loop (the plain run in the baseline job), so it reflects this loop's overheads, not a "
-             "serving engine's"]
+             "Python loop, so it reflects this loop's overheads, not a serving engine's"]
     return runs, notes
+
+
+@register("transformers", "speedup")
+def measure_transformers_speedup(spec: MeasureSpec, engine_script: str | None = None) -> tuple[list[dict], dict]:
+    """Interleaved rounds at concurrency 1: plain greedy vs chain speculation with the trained
+    draft, one prompt at a time, in this process (no serving engine: no batch figure)."""
+    import torch
+
+    if not spec.concurrency_one:
+        return [], {}
+    target, device = _load_target(spec)
+    eos = set(spec.eos_token_ids)
+    draft = EagleDraft(load_draft_for_transformers(spec.draft, spec.target, getattr(torch, spec.dtype), device), device)
+    chain = ChainSpeculator(target, draft, spec.num_speculative_tokens, device)
+
+    def arm(fn):
+        def timed():
+            records, wall = _one_at_a_time(fn, spec.concurrency_one)
+            steps = [s for r in records for s in request_steps(r)]
+            return {"concurrency_1": {"output_tokens": sum(len(r.token_ids) for r in records), "wall_s": wall,
+                                      "accepted": sum(a for a, _ in steps), "drafts": len(steps)}}
+        return timed
+
+    with torch.inference_mode():
+        greedy_plain(target, spec.prompts[0].token_ids, 4, eos, device)  # warm-up: lazy kernels, allocator
+        rounds = run_rounds({"without_draft": arm(lambda ids: greedy_plain(target, ids, spec.max_tokens, eos, device)),
+                             "with_draft": arm(lambda ids: chain.generate(ids, spec.max_tokens, eos))},
+                            spec.speedup_rounds, spec.log)
+    return rounds, {}

@@ -2,7 +2,10 @@
 
 Every engine configuration (trained draft, untrained draft; no speculation in the baseline
 job) runs in its own child process (one engine at a time, memory returned between them, vLLM's own error message
-captured if it cannot load the draft). Global numbers come from vLLM's spec-decode metrics
+captured if it cannot load the draft). The speedup rounds need the target alone and the
+target with the trained draft in turn: two children that stay up (started one after the
+other, then used in turn, never at once: on a few cores two engines decoding together would
+time each other), each decoding a round's prompts when asked. Global numbers come from vLLM's spec-decode metrics
 (`llm.get_metrics()`); per-request numbers (categories, reasoning/answer spans) from vLLM's
 per-request detailed metrics, which list the accepted count of every verify step."""
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from .inputs import EvalPrompt, MeasureSpec, answer_room
 from .records import BackendFailure, RequestRecord, RunResult, acceptance_block, register
+from .speedup import run_rounds
 
 # Lines vLLM prints around a failed start that only point elsewhere ("see root cause above").
 _WRAPPER_ERRORS = ("Engine core initialization failed", "WorkerProc initialization failed",
@@ -39,8 +43,8 @@ def vllm_root_cause(lines: list[str]) -> str | None:
 
 
 
-def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool,
-                prompts: list[EvalPrompt]) -> dict[str, Any]:
+def _engine_job(spec: MeasureSpec, draft: str | None, prompts: list[EvalPrompt],
+                serve: bool = False) -> dict[str, Any]:
     longest = max(len(p.token_ids) for p in spec.prompts)
     # Room for the longest prompt and its answer; small = small KV cache.
     max_model_len = longest + answer_room(spec.max_tokens, spec.num_speculative_tokens)
@@ -52,7 +56,9 @@ def _engine_job(spec: MeasureSpec, draft: str | None, concurrency_one: bool,
         "trust_remote_code": spec.trust_remote_code,
         "max_model_len": max_model_len,
         "prompts": [p.token_ids for p in prompts],
-        "concurrency_one": len(spec.concurrency_one) if concurrency_one else 0,
+        # Speedup rounds: the engine stays up and decodes a round (batch, then one prompt at a
+        # time) each time it is asked; two such engines are up at once, so each takes half a GPU.
+        "serve": {"batch": len(spec.speedup_batch), "concurrency_one": len(spec.concurrency_one)} if serve else None,
     }
 
 
@@ -94,38 +100,120 @@ def _records_from_engine(outputs: list[dict], prompts: list[EvalPrompt]) -> list
             for p, o in zip(prompts, outputs)]
 
 
-def _engine_run(spec: MeasureSpec, engine_script: str, run: str, draft: str | None, concurrency_one: bool,
+def _engine_run(spec: MeasureSpec, engine_script: str, run: str, draft: str | None,
                 prompts: list[EvalPrompt]) -> RunResult:
-    res = _run_engine_child(engine_script, _engine_job(spec, draft, concurrency_one, prompts), run, spec)
+    res = _run_engine_child(engine_script, _engine_job(spec, draft, prompts), run, spec)
     k = spec.num_speculative_tokens
     m = res["batch"]["metrics"]
     block = None
     if draft is not None:
         per_pos = (m["accepted_per_pos"] + [0] * k)[:k]
         block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
-    c1_res = res.get("concurrency_one")
-    return RunResult(
-        records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
-        global_block=block, batched=True, engine_start_s=res["engine_start_s"],
-        concurrency_one=_records_from_engine(c1_res["outputs"], spec.concurrency_one) if c1_res else None,
-        concurrency_one_wall_s=c1_res["wall_s"] if c1_res else None)
+    return RunResult(records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
+                     global_block=block, batched=True, engine_start_s=res["engine_start_s"])
 
 
 @register("vllm", "no_draft")
 def measure_vllm_no_draft(spec: MeasureSpec, engine_script: str) -> tuple[RunResult, list[str]]:
-    """The target alone: the batch run and the concurrency-1 run."""
-    return _engine_run(spec, engine_script, "no_draft", None, True, spec.prompts), []
+    """The target alone, all prompts at once: the greedy outputs speculation must reproduce."""
+    return _engine_run(spec, engine_script, "no_draft", None, spec.prompts), []
 
 
 @register("vllm", "drafts")
 def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunResult], list[str]]:
     # Trained first: if vLLM cannot load the draft we stop there (the untrained one adds nothing).
-    runs = {"trained": _engine_run(spec, engine_script, "trained", spec.draft, True, spec.prompts),
-            "untrained": _engine_run(spec, engine_script, "untrained", spec.untrained, False, spec.untrained_subset)}
+    runs = {"trained": _engine_run(spec, engine_script, "trained", spec.draft, spec.prompts),
+            "untrained": _engine_run(spec, engine_script, "untrained", spec.untrained, spec.untrained_subset)}
     notes = ["acceptance numbers are vLLM's spec-decode counters (vllm:spec_decode_*) over the batch run; "
              "categories and spans come from vLLM's per-request detailed metrics "
              "(per_request_spec_decode_metrics=detailed)"]
     return runs, notes
+
+
+class _ServedEngine:
+    """One engine child that stays up for the speedup rounds: start() returns once its engine
+    is up and warm; round() asks it for one round and waits for the result file."""
+
+    def __init__(self, script: str, job: dict, run: str, spec: MeasureSpec, tmp: Path):
+        self.run, self.spec, self.dir = run, spec, tmp / run
+        self.dir.mkdir()
+        job = {**job, "ready_file": str(self.dir / "ready.json")}
+        (self.dir / "job.json").write_text(json.dumps(job))
+        self.log_path = self.dir / "engine.log"
+        self.log = open(self.log_path, "w")
+        spec.log(f"[speedup] {run}: starting vLLM ({'draft ' + job['draft'] if job['draft'] else 'no speculation'})")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--engine-job", str(self.dir / "job.json"),
+             "--engine-result", str(self.dir / "result.json")],
+            stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "TMPDIR": str(self.dir)})
+        self.rounds = 0
+        self.ready = self._wait(self.dir / "ready.json")
+
+    def _wait(self, path: Path) -> dict:
+        while not path.exists():
+            if self.proc.poll() is not None:
+                lines = self.log_path.read_text(errors="replace").splitlines()
+                cause = vllm_root_cause(lines) or f"vLLM exited with status {self.proc.returncode}"
+                raise BackendFailure(f"speedup:{self.run}", cause, lines[-60:])
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+
+    def round(self) -> dict:
+        self.rounds += 1
+        out = self.dir / f"round-{self.rounds}.json"
+        self.proc.stdin.write(json.dumps({"out": str(out)}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._wait(out)
+
+    def close(self) -> None:
+        """EOF on its stdin ends the child's loop (its engine shuts down); its log goes to ours."""
+        try:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(timeout=60)
+        except BaseException:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        finally:
+            self.log.close()
+            sys.stderr.write(self.log_path.read_text(errors="replace"))
+
+
+def _rss_mb(pid: int) -> float | None:
+    """Resident memory of a process and its children (an engine core of its own on GPU)."""
+    try:
+        import psutil
+
+        proc = psutil.Process(pid)
+        return round(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20, 1)
+    except Exception:
+        return None
+
+
+@register("vllm", "speedup")
+def measure_vllm_speedup(spec: MeasureSpec, engine_script: str) -> tuple[list[dict], dict]:
+    """Interleaved rounds: the target alone and the target with the trained draft, each engine
+    started once and kept up; per round and arm, the batch and the concurrency-1 timings (and,
+    with the draft, its accepted / drafted counts: the tau bound of those prompts)."""
+    with tempfile.TemporaryDirectory(prefix="speedup-") as tmp:
+        engines: dict[str, _ServedEngine] = {}
+        try:
+            for arm, draft in (("without_draft", None), ("with_draft", spec.draft)):
+                prompts = spec.prompts[: max(len(spec.speedup_batch), len(spec.concurrency_one))]
+                engines[arm] = _ServedEngine(engine_script, _engine_job(spec, draft, prompts, serve=True), arm, spec,
+                                             Path(tmp))
+            cost = {arm: {"engine_start_s": e.ready["engine_start_s"], "rss_mb": _rss_mb(e.proc.pid)}
+                    for arm, e in engines.items()}
+            spec.log(f"[speedup] both engines up: {cost}")
+            rounds = run_rounds({arm: e.round for arm, e in engines.items()}, spec.speedup_rounds, spec.log)
+        finally:
+            for e in engines.values():
+                e.close()
+    return rounds, cost
 
 
 def _metric_snapshot(llm) -> dict[str, Any]:
@@ -181,6 +269,8 @@ def run_engine_job(job: dict) -> dict:
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"],
                                         "num_speculative_tokens": job["num_speculative_tokens"]}
         kwargs["per_request_spec_decode_metrics"] = "detailed"
+    if job["serve"] and has_cuda():  # the speedup's two engines share the GPU: each its half (vLLM's default 0.9)
+        kwargs["gpu_memory_utilization"] = 0.45
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0
@@ -188,19 +278,42 @@ def run_engine_job(job: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
 
+    if job["serve"]:
+        return serve_rounds(llm, job, prompts, params, engine_start_s)
     before = _metric_snapshot(llm)
     t0 = time.perf_counter()
     batch = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    result = {"engine_start_s": round(engine_start_s, 3),
-              "batch": {"wall_s": wall, "outputs": _engine_outputs(batch),
-                        "metrics": _metric_delta(_metric_snapshot(llm), before)},
-              "concurrency_one": None}
-    if job["concurrency_one"]:
-        outs, wall = [], 0.0
-        for p in prompts[: job["concurrency_one"]]:
-            t0 = time.perf_counter()
-            outs += llm.generate([p], params, use_tqdm=False)
-            wall += time.perf_counter() - t0
-        result["concurrency_one"] = {"wall_s": wall, "outputs": _engine_outputs(outs)}
-    return result
+    return {"engine_start_s": round(engine_start_s, 3),
+            "batch": {"wall_s": wall, "outputs": _engine_outputs(batch),
+                      "metrics": _metric_delta(_metric_snapshot(llm), before)}}
+
+
+def _timed(llm, prompts, params, one_at_a_time: bool) -> dict:
+    """Output tokens and decode seconds of these prompts (and, with a draft, the verify steps'
+    accepted and drafted counts)."""
+    outs, wall = [], 0.0
+    for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
+        t0 = time.perf_counter()
+        outs += llm.generate(group, params, use_tqdm=False)
+        wall += time.perf_counter() - t0
+    rows = _engine_outputs(outs)
+    steps = [n for r in rows for n in (r["steps_accepted"] or [])]
+    return {"output_tokens": sum(len(r["token_ids"]) for r in rows), "wall_s": wall,
+            "accepted": sum(steps), "drafts": len(steps)}
+
+
+def serve_rounds(llm, job: dict, prompts: list, params, engine_start_s: float) -> dict:
+    """Inside a speedup child: say ready, then decode one round per line on stdin (its result
+    written atomically where the line says) until stdin closes."""
+    from ..io import atomic_write_json
+
+    atomic_write_json(job["ready_file"], {"engine_start_s": round(engine_start_s, 3)})
+    done = 0
+    for line in sys.stdin:
+        atomic_write_json(json.loads(line)["out"], {
+            "batch": _timed(llm, prompts[: job["serve"]["batch"]], params, False),
+            "concurrency_1": _timed(llm, prompts[: job["serve"]["concurrency_one"]], params, True)
+            if job["serve"]["concurrency_one"] else None})
+        done += 1
+    return {"engine_start_s": round(engine_start_s, 3), "rounds": done}
