@@ -790,27 +790,30 @@ def test_batched_acceptance_equals_chain_speculation_prompt_by_prompt(e2e):
                                                             add_generation_prompt=True, tokenize=True,
                                                             return_dict=False))
                for q in questions]
-    draft = EagleDraft(load_draft_for_transformers(str(e2e.results / "drafts/default/final"), str(target_dir),
-                                                   torch.float32, cpu), cpu)
-    chain = ChainSpeculator(target, draft, K, cpu)
     finish, steps = set(), []
-    for max_tokens in BATCHED_MAX_TOKENS:
-        with torch.inference_mode():
-            records, _ = measure_batched(target, {"trained": draft}, {"trained": prompts}, prompts, K, max_tokens,
-                                         eos, batch_size=4, device=cpu, pad_id=tok.eos_token_id)
-            sequential = [chain.generate(p.token_ids, max_tokens, eos) for p in prompts]
-        batched = records["trained"]
-        assert [r.id for r in batched] == [p.id for p in prompts]
-        for p, b, c in zip(prompts, batched, sequential):
-            assert (b.token_ids, b.finish_reason, b.steps_accepted, b.steps_drafted) == \
-                   (c.token_ids, c.finish_reason, c.steps_accepted, c.steps_drafted), (max_tokens, p.id)
-            # The proposals themselves, not only how many were accepted: every draft token of
-            # every step comes from the same mask, positions and fed-back states.
-            assert b.steps_proposals == c.steps_proposals, (max_tokens, p.id)
-        # The plain run is the same greedy output, cut at EOS / max_tokens.
-        assert [r.token_ids for r in records["no_draft"]] == [r.token_ids for r in batched]
-        finish |= {r.finish_reason for r in batched}
-        steps += [a for r in batched for a in r.steps_accepted]
+    # The trained draft (accepted nearly always: it has learned the tiny target's answer) and the
+    # untrained one (rejected nearly always): both kinds of verify step are covered.
+    for kind in ("final", "untrained"):
+        draft = EagleDraft(load_draft_for_transformers(str(e2e.results / "drafts/default" / kind), str(target_dir),
+                                                       torch.float32, cpu), cpu)
+        chain = ChainSpeculator(target, draft, K, cpu)
+        for max_tokens in BATCHED_MAX_TOKENS:
+            with torch.inference_mode():
+                records, _ = measure_batched(target, {"trained": draft}, {"trained": prompts}, prompts, K,
+                                             max_tokens, eos, batch_size=4, device=cpu, pad_id=tok.eos_token_id)
+                sequential = [chain.generate(p.token_ids, max_tokens, eos) for p in prompts]
+            batched = records["trained"]
+            assert [r.id for r in batched] == [p.id for p in prompts]
+            for p, b, c in zip(prompts, batched, sequential):
+                assert (b.token_ids, b.finish_reason, b.steps_accepted, b.steps_drafted) == \
+                       (c.token_ids, c.finish_reason, c.steps_accepted, c.steps_drafted), (kind, max_tokens, p.id)
+                # The proposals themselves, not only how many were accepted: every draft token of
+                # every step comes from the same mask, positions and fed-back states.
+                assert b.steps_proposals == c.steps_proposals, (kind, max_tokens, p.id)
+            # The plain run is the same greedy output, cut at EOS / max_tokens.
+            assert [r.token_ids for r in records["no_draft"]] == [r.token_ids for r in batched]
+            finish |= {r.finish_reason for r in batched}
+            steps += [a for r in batched for a in r.steps_accepted]
     # The cases the equality must cover: differing prompt lengths inside one batch of 4 (and a
     # second batch), EOS and max_tokens endings, drafts that are accepted and ones that are not.
     assert len({len(p.token_ids) for p in prompts}) == len(prompts)

@@ -82,7 +82,13 @@ def _test_load(round_no: int, arm: str, log: Callable[[str], None]):
         yield
         return
     log(f"[speedup] {TEST_LOAD_ENV}: busy load during round {round_no}, {arm}")
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    # Two per core, each spinning before the arm starts: a strong draft's arm lasts well under a
+    # second, less than the busy processes would otherwise take to start.
+    spin = "import sys; sys.stdout.write('.'); sys.stdout.flush()\nwhile True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+            for _ in range(2 * (os.cpu_count() or 1))]
+    for proc in busy:
+        proc.stdout.read(1)
     try:
         yield
     finally:
