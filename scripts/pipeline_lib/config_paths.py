@@ -12,7 +12,7 @@ from typing import Iterator
 
 from .assets import PREFIX as PYPI_PREFIX, resolve_asset
 from .errors import PipelineError
-from .prompts.sources import FILE_SUFFIXES, SYNTHESIZED, file_suffix
+from .prompts.sources import SYNTHESIZED, maybe_hub
 
 
 def _prompt_sources(config: dict) -> Iterator[tuple[str, str]]:
@@ -30,9 +30,9 @@ def _prompt_sources(config: dict) -> Iterator[tuple[str, str]]:
 
 
 def _looks_local(source: str) -> bool:
-    """A prompt source that names a file, not a hub dataset id ('org/name')."""
-    return Path(source).exists() or file_suffix(Path(source)) in FILE_SUFFIXES \
-        or source.startswith(("/", ".", "~")) or source.count("/") != 1
+    """A prompt source that names a file, not a hub dataset id ('org/name'): the jobs' own
+    test (prompts.maybe_hub), plus paths that start like one."""
+    return not maybe_hub(source) or source.startswith(("/", ".", "~"))
 
 
 def missing_paths(config: dict) -> list[str]:
