@@ -20,9 +20,12 @@ W=$(cd "$W" && pwd)
 export PATH="$W/bin:$PATH" HF_HUB_OFFLINE=1
 CONFIGS=(config.yaml configs/gpu-recipe.yaml)  # --configfile replaces config.yaml: name it first
 RUN=smollm2-135m-gpu-recipe
-if [[ -n "${RECIPE_OVERLAY:-}" ]]; then  # e.g. configs/gpu-recipe-variants.yaml
-  CONFIGS+=("$RECIPE_OVERLAY"); RUN=$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['run_name'])" "$RECIPE_OVERLAY")
-fi
+# RECIPE_OVERLAY: one or more overlays, space-separated, applied in order (e.g.
+# configs/gpu-recipe-variants.yaml); the run is the last run_name they set.
+for overlay in ${RECIPE_OVERLAY:-}; do
+  CONFIGS+=("$overlay")
+  RUN=$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1])).get('run_name') or sys.argv[2])" "$overlay" "$RUN")
+done
 if [[ "${BENCH_SMOKE:-0}" == 1 ]]; then
   CONFIGS+=(configs/gpu-recipe-smoke.yaml)
   RUN=gpu-recipe-smoke
@@ -34,6 +37,7 @@ start=$SECONDS
 # Up to the acceptance measurement (every suite): the report's load check needs vLLM, which a
 # GPU node without it cannot run; `bash bench/gpu_recipe.sh all` asks for everything.
 TARGETS=("${@:-results/$RUN/drafts/default/verify/acceptance.json}")
-python -m snakemake -d "$W" --cores "$(nproc)" --resources gpu="$NGPU" --keep-going --configfile "${CONFIGS[@]}" \
-  -- "${TARGETS[@]}"
+# RECIPE_ARGS: more Snakemake arguments (e.g. "--until hidden_states_gather").
+python -m snakemake -d "$W" --cores "$(nproc)" --resources gpu="$NGPU" --keep-going ${RECIPE_ARGS:-} \
+  --configfile "${CONFIGS[@]}" -- "${TARGETS[@]}"
 echo "== recipe: $((SECONDS - start)) s"

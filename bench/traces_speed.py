@@ -1,10 +1,12 @@
 """Traces speed: the transformers backend (the pipeline's trace rows: rendering, sorted batches,
 answer splitting) next to transformers' `generate` alone on the same prompts, the same sorted
 batches and the same max_tokens, in one run: what the backend costs on top of the decoding it
-uses. Prints the table and writes it as JSON. bench/decode_designs.py compares decoding designs.
+uses. With --vllm, the pipeline's vLLM backend (its default) answers the same prompts last, in
+the same run, after the transformers model is freed. Prints the table and writes it as JSON.
+bench/decode_designs.py compares decoding designs.
 
 Usage: python bench/traces_speed.py --target DIR --prompts prompts.jsonl [--num 2048]
-       [--batch-size 256] [--max-tokens 128] [--dtype bfloat16] --out table.json
+       [--batch-size 256] [--max-tokens 128] [--dtype bfloat16] [--vllm] --out table.json
 The prompts file is the pipeline's prompts/train.jsonl (each row's first user turn is asked).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--vllm", action="store_true", help="also time the vLLM backend on the same prompts")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
 
@@ -111,12 +114,45 @@ def main() -> None:
                            "tok_s": round(plain_tokens / plain_s)},
     }
     table["ratio"] = round(table["backend"]["tok_s"] / table["generate_alone"]["tok_s"], 2)
+    if args.vllm:
+        del backend
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        table["vllm"] = time_vllm(args, requests, warm)
+        table["ratio_vllm_to_backend"] = round(table["vllm"]["tok_s"] / table["backend"]["tok_s"], 2)
     atomic_write_json(args.out, table)
     print(f"| path | tokens | seconds | tok/s |\n|---|---|---|---|\n"
           f"| backend ({stats['decoding']}) | {backend_tokens:,} | {backend_s:.1f} | {table['backend']['tok_s']:,} |\n"
           f"| `generate` alone | {plain_tokens:,} | {plain_s:.1f} | {table['generate_alone']['tok_s']:,} |\n"
           f"ratio backend / generate alone: {table['ratio']}; {batches} batches of {args.batch_size} "
           f"after an untimed warm-up on {len(warm)} prompts ({warmup_s['backend']} s / {warmup_s['generate_alone']} s)")
+    if args.vllm:
+        v = table["vllm"]
+        print(f"vLLM backend: {v['tokens']:,} tokens in {v['seconds']} s = {v['tok_s']:,} tok/s "
+              f"({table['ratio_vllm_to_backend']}x the transformers backend; engine start {v['engine_start_s']} s, untimed)")
+
+
+def time_vllm(args, requests, warm) -> dict:
+    """The pipeline's vLLM traces backend (what `generation.backend: vllm` runs) on the same
+    requests: engine start and a warm-up untimed, then all requests in one timed pass."""
+    from pipeline_lib.generation import GenerationSettings, make_backend
+
+    settings = GenerationSettings.from_dict({"backend": "vllm", "max_tokens": args.max_tokens,
+                                             "batch_size": args.batch_size})
+    backend = make_backend(settings, args.target, args.dtype, log=print)
+    t0 = time.monotonic()
+    backend.start()
+    list(backend.generate(warm))
+    start_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    completions = list(backend.generate(requests))
+    seconds = time.monotonic() - t0
+    tokens = sum(c.completion_tokens or 0 for c in completions)
+    if hasattr(backend, "close"):
+        backend.close()
+    return {"tokens": tokens, "seconds": round(seconds, 2), "tok_s": round(tokens / seconds),
+            "engine_start_s": round(start_s, 1), "answered": sum(1 for c in completions if c.completion_tokens)}
 
 
 
