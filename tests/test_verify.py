@@ -12,13 +12,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import check_contract
-from conftest import run_script, run_snakemake
+from conftest import SCRIPTS, run_script, run_snakemake
 from pipeline_lib import contract as contract_lib
 from pipeline_lib.target import chat_template_digest, tokenizer_digest, weights_digest
 
@@ -1191,3 +1192,49 @@ def test_serving_render_without_vllm_says_it_did_not_run(multiturn_rows, monkeyp
     result = serving_render(multiturn_rows)
     assert result.passed is None and result.required is False
     assert result.detail.startswith("not run: vLLM is not importable here") and "serving engine" in result.detail
+
+
+COUNTERS_CHILD = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pipeline_lib.acceptance import vllm_backend as vb
+
+if __name__ == "__main__":
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    target, draft, out = sys.argv[2:5]
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = ["Tell me about the sea.", "Write a haiku about autumn.", "What is 12 times 7?", "Name three colours."]
+    rendered = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+                for t in texts]
+    prompts = [TokensPrompt(prompt_token_ids=tok.encode(r, add_special_tokens=False)) for r in rendered]
+    llm = LLM(model=target, dtype="float32", enforce_eager=True, disable_log_stats=False, max_model_len=1024, seed=0,
+              speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
+              per_request_spec_decode_metrics="detailed")
+    params = SamplingParams(temperature=0.0, max_tokens=48, detokenize=False)
+    engine = vb._engine_outputs(llm.generate(prompts, params, use_tqdm=False))
+    counted = [dict(o) for o in engine]
+    vb._steps_from_counters(llm, prompts, params, counted)
+    json.dump({"engine": engine, "counted": counted}, open(out, "w"))
+'''
+
+
+def test_per_request_steps_from_counters_match_the_engines_own(run_dir, tmp_path):
+    """vLLM 0.26 (the GPU node's) has no per-request spec-decode metrics: the acceptance job then
+    decodes each prompt alone and reads the global counters' deltas. Where vLLM 0.32 has both,
+    they agree: the same verify steps per prompt (as counts per accepted length)."""
+    child = tmp_path / "child.py"
+    child.write_text(COUNTERS_CHILD)
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, str(child), str(SCRIPTS), str(run_dir / "target/model"),
+                    str(run_dir / "drafts/default/final"), str(out)], check=True, timeout=900)
+    res = json.loads(out.read_text())
+    compared = 0
+    for engine, counted in zip(res["engine"], res["counted"]):
+        assert engine["steps_accepted"], "the engine reported no verify steps"
+        if counted["alone_matches_batch"]:
+            assert sorted(counted["steps_accepted"]) == sorted(engine["steps_accepted"])
+            assert counted["steps_drafted"] == [3] * len(engine["steps_accepted"])
+            compared += 1
+    assert compared >= 3, res

@@ -51,6 +51,9 @@ def setup(offline: bool = True) -> None:
     # ~0 rows in minutes instead of 256 in ~60 s. Unbound threads run at full speed.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    # A job that asked torch about CUDA before starting vLLM has initialised CUDA; vLLM 0.26 then
+    # forks its engine core, which fails ("Cannot re-initialize CUDA in forked subprocess").
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def padded_batch_attention() -> None:

@@ -140,6 +140,8 @@ class RunResult:
     # The backend's proof of its own exactness, when it has one (acceptance.json "self_check").
     self_check: dict | None = None
     parts_s: dict[str, float] | None = None  # where the run's seconds went, when the backend splits them
+    # Where per-request steps came from when not from the engine's per-request metrics (vLLM 0.26).
+    per_request_source: str | None = None
 
 
 class BackendFailure(Exception):

@@ -110,7 +110,8 @@ def _engine_run(spec: MeasureSpec, engine_script: str, run: str, draft: str | No
         per_pos = (m["accepted_per_pos"] + [0] * k)[:k]
         block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
     return RunResult(records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
-                     global_block=block, batched=True, engine_start_s=res["engine_start_s"])
+                     global_block=block, batched=True, engine_start_s=res["engine_start_s"],
+                     per_request_source=res.get("per_request_source"))
 
 
 @register("vllm", "no_draft")
@@ -124,9 +125,10 @@ def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunRe
     # Trained first: if vLLM cannot load the draft we stop there (the untrained one adds nothing).
     runs = {"trained": _engine_run(spec, engine_script, "trained", spec.draft, spec.prompts),
             "untrained": _engine_run(spec, engine_script, "untrained", spec.untrained, spec.untrained_subset)}
+    per_request = ("vLLM's per-request detailed metrics (per_request_spec_decode_metrics=detailed)"
+                   if not runs["trained"].per_request_source else runs["trained"].per_request_source)
     notes = ["acceptance numbers are vLLM's spec-decode counters (vllm:spec_decode_*) over the batch run; "
-             "categories and spans come from vLLM's per-request detailed metrics "
-             "(per_request_spec_decode_metrics=detailed)"]
+             f"categories and spans come from {per_request}"]
     return runs, notes
 
 
@@ -243,11 +245,20 @@ def _engine_outputs(results) -> list[dict]:
     outs = []
     for r in results:
         c = r.outputs[0]
-        m = c.spec_decode_metrics
+        m = getattr(c, "spec_decode_metrics", None)
         outs.append({"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
                      "steps_accepted": list(m.per_step_accepted) if m is not None else None,
                      "steps_drafted": list(m.per_step_drafted) if m is not None else None})
     return outs
+
+
+def _engine_accepts(name: str) -> bool:
+    """Whether this vLLM's engine arguments have `name` (they differ between releases)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def run_engine_job(job: dict) -> dict:
@@ -268,7 +279,8 @@ def run_engine_job(job: dict) -> dict:
     if job["draft"]:
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"],
                                         "num_speculative_tokens": job["num_speculative_tokens"]}
-        kwargs["per_request_spec_decode_metrics"] = "detailed"
+        if _engine_accepts("per_request_spec_decode_metrics"):  # not in vLLM 0.26: global counters only
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
     if job["serve"] and has_cuda():  # the speedup's two engines share the GPU: each its half (vLLM's default 0.9)
         kwargs["gpu_memory_utilization"] = 0.45
     t0 = time.perf_counter()
@@ -284,9 +296,30 @@ def run_engine_job(job: dict) -> dict:
     t0 = time.perf_counter()
     batch = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    return {"engine_start_s": round(engine_start_s, 3),
-            "batch": {"wall_s": wall, "outputs": _engine_outputs(batch),
-                      "metrics": _metric_delta(_metric_snapshot(llm), before)}}
+    result = {"engine_start_s": round(engine_start_s, 3),
+              "batch": {"wall_s": wall, "outputs": _engine_outputs(batch),
+                        "metrics": _metric_delta(_metric_snapshot(llm), before)}}
+    if job["draft"] and "per_request_spec_decode_metrics" not in kwargs:
+        result["per_request_source"] = _steps_from_counters(llm, prompts, params, result["batch"]["outputs"])
+    return result
+
+
+def _steps_from_counters(llm, prompts, params, outputs: list[dict]) -> str:
+    """A vLLM without per-request spec-decode metrics (0.26): decode each prompt alone and take
+    the deltas of the engine's global counters. A request's verify steps are then known as a count
+    per accepted length (from the per-position counters), not in their order: enough for tau per
+    prompt, category and suite, not for reasoning/answer spans. Fills each output's steps."""
+    for prompt, out in zip(prompts, outputs):
+        before = _metric_snapshot(llm)
+        [alone] = llm.generate([prompt], params, use_tqdm=False)
+        d = _metric_delta(_metric_snapshot(llm), before)
+        out["alone_matches_batch"] = list(alone.outputs[0].token_ids) == out["token_ids"]
+        n, per_pos = int(d["num_drafts"]), [int(x) for x in d["accepted_per_pos"]]
+        # steps accepting exactly j tokens: those accepting >= j minus those accepting >= j + 1
+        at_least = [n] + per_pos + [0]
+        out["steps_accepted"] = [j for j in range(len(at_least) - 1) for _ in range(at_least[j] - at_least[j + 1])]
+        out["steps_drafted"] = [round(d["num_draft_tokens"] / n)] * n if n else []
+    return "global counters, each prompt decoded alone (steps as counts per accepted length, order unknown)"
 
 
 def _timed(llm, prompts, params, one_at_a_time: bool) -> dict:

@@ -36,9 +36,12 @@ class VllmBackend(Backend):
             log_traceback(self.log)
             raise BackendUnavailable(f"vLLM could not load the target {self.target}: {type(err).__name__}: "
                                      f"{err}; see the traceback above in this job's log") from None
-        from vllm.exceptions import VLLMClientError
-
-        self._prompt_errors = prompt_error_types(VLLMClientError)
+        try:  # vLLM >= 0.27: the base class of errors a request causes
+            from vllm.exceptions import VLLMClientError
+            request_errors: tuple[type, ...] = (VLLMClientError,)
+        except ImportError:  # vLLM 0.26 (the GPU node's): its request errors are ValueErrors
+            request_errors = ()
+        self._prompt_errors = prompt_error_types(*request_errors)
         self._make_splitter(self.llm.get_tokenizer())
         # Start from the target's own generation defaults (generation_config.json: top_k,
         # repetition_penalty, ...) as `vllm serve` and LLM.chat do, then apply ours.
