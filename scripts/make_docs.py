@@ -156,6 +156,8 @@ RECIPE_RUNS = {
     "gpu-recipe-2026-12-04c.lr-3e-4": "the same, variant `lr-3e-4`",
     "gpu-recipe-2026-12-04d": "2026-12-04, `configs/gpu-recipe.yaml` as committed (8 epochs), traces by `generate`",
     "gpu-recipe-2026-12-04e": "2026-12-04, `configs/gpu-recipe.yaml` as committed (8 epochs), traces by the CUDA-graph loop",
+    "gpu-vllm-2026-12-05": "2026-12-05, `configs/gpu-recipe-vllm.yaml`: every stage in vLLM 0.26 (traces, hidden "
+                           "states, EAGLE-3 acceptance measured by vLLM itself)",
 }
 TRAIN_METRICS = {
     "gpu-recipe-2026-12-04b.train_metrics.csv": "gpu-recipe-2026-12-04b",
@@ -164,6 +166,7 @@ TRAIN_METRICS = {
     "gpu-recipe-2026-12-04c.lr-3e-4.train_metrics.csv": "gpu-recipe-2026-12-04c.lr-3e-4",
     "gpu-recipe-2026-12-04d.train_metrics.csv": "gpu-recipe-2026-12-04d",
     "gpu-recipe-2026-12-04e.train_metrics.csv": "gpu-recipe-2026-12-04e",
+    "gpu-vllm-2026-12-05.train_metrics.csv": "gpu-vllm-2026-12-05",
 }
 SUITES = [("eval", "MT-Bench (eval)"), ("held-out", "held-out"), ("humaneval", "HumanEval"), ("champ", "CHAMP")]
 
@@ -187,7 +190,8 @@ def described(results: Path, pattern: str, known: dict) -> None:
 
 
 def recipe_acceptance(results: Path) -> str:
-    described(results, "gpu-recipe-*.acceptance.json", RECIPE_RUNS)
+    for pattern in ("gpu-recipe-*.acceptance.json", "gpu-vllm-*.acceptance.json"):
+        described(results, pattern, RECIPE_RUNS)
     rows = []
     for stem, what in RECIPE_RUNS.items():
         name = f"{stem}.acceptance.json"
@@ -205,7 +209,8 @@ def recipe_acceptance(results: Path) -> str:
 
 
 def recipe_training(results: Path) -> str:
-    described(results, "gpu-recipe-*train_metrics.csv", TRAIN_METRICS)
+    for pattern in ("gpu-recipe-*train_metrics.csv", "gpu-vllm-*train_metrics.csv"):
+        described(results, pattern, TRAIN_METRICS)
     rows = []
     for name, stem in TRAIN_METRICS.items():
         metrics = pd.read_csv(results / name)
