@@ -118,7 +118,7 @@ def main() -> int | None:
         log(f"removed {stale}")
     resumed_after = prepare_checkpoints(ckpt, trajectory_fingerprint(settings, inputs, source.fingerprint()),
                                         settings.epochs, settings.extend_epochs)
-    d2t, t2d = write_vocab_maps(Path(args.token_freq) if args.token_freq else data / "token_freq.pt",
+    d2t, t2d, vocab_coverage = write_vocab_maps(Path(args.token_freq) if args.token_freq else data / "token_freq.pt",
                                 settings.draft_vocab_size, inputs.target_vocab_size, ckpt / "vocab")
     argv = trainer_argv(settings, inputs, target, data, ckpt, d2t, t2d)
     metrics_log = ckpt / METRICS_LOG
@@ -166,7 +166,8 @@ def main() -> int | None:
                selected_epoch=selected, best_epoch=best, resumed_after_epoch=resumed_after,
                training_history=training_history(ckpt), trainer_checkout=trainer_checkout,
                train_wall_s=round(train_s, 3), aux_layer_ids=inputs.aux_layer_ids,
-               draft_vocab_size=settings.draft_vocab_size, checkpoints=pruned, trainer_argv=argv,
+               draft_vocab_size=settings.draft_vocab_size, draft_vocab_coverage=vocab_coverage,
+               checkpoints=pruned, trainer_argv=argv,
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},
                hidden_states={k: hs_record.get(k) for k in ("mode", "storage", "transfer")},
                **summary)

@@ -228,6 +228,12 @@ def test_draft_vocab_is_the_most_frequent_loss_tokens(trained, hs_run):
     d2t, t2d = final["d2t"], final["t2d"]
     assert (d2t + torch.arange(512)).tolist() == expected
     assert t2d.shape == (2048,) and int(t2d.sum()) == 512 and t2d[expected].all()
+    # The coverage the report shows: the generated tokens this vocabulary can propose at all.
+    cov = json.loads((trained["out"] / "provenance.json").read_text())["draft_vocab_coverage"]
+    total = sum(freq.values())
+    assert cov["generated_tokens"] == total and cov["distinct_generated_tokens"] == len(freq)
+    assert cov["covered_tokens"] == sum(c for t, c in freq.items() if t in set(expected))
+    assert cov["share"] == pytest.approx(cov["covered_tokens"] / total, abs=1e-6) and 0 < cov["share"] <= 1
 
 
 def test_untrained_has_same_architecture_and_vocab_but_no_training(trained):

@@ -61,6 +61,7 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
     out["selected_epoch"] = selected
     out["selection"] = select
     out["hidden_states"] = train_prov.get("hidden_states")  # mode, storage, transfer
+    out["draft_vocab_coverage"] = train_prov.get("draft_vocab_coverage")
     sel_row = next((r for r in val if r["epoch"] == selected), None)
     out["selected_val"] = {k: sel_row.get(k) for k in ["loss", *accs]} if sel_row else None
     # What the draft was trained on: the traces' conversation and turn counts.
@@ -79,6 +80,14 @@ def data_sentence(data: dict[str, Any]) -> str:
             + (" (later turns not asked)" if data.get("turns") == "first" and data.get("turns_dropped") else "") + ".")
 
 
+def coverage_sentence(cov: dict[str, Any] | None) -> str:
+    if not cov:
+        return ""
+    return (f" Draft vocabulary: {cov['draft_vocab_size']:,} of the target's {cov['target_vocab_size']:,} tokens, "
+            f"covering {cov['share']:.1%} of the {cov['generated_tokens']:,} generated tokens trained on "
+            f"({cov['distinct_generated_tokens']:,} distinct): the draft can never propose the rest.")
+
+
 def sections(result: dict) -> list[Section]:
     tr = result["training"]
     accs = [k for k in (tr.get("selected_val") or {}) if k.startswith("acc_")]
@@ -87,6 +96,7 @@ def sections(result: dict) -> list[Section]:
     return [Section("Training", [
         f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
         f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {})}".rstrip()
+        + coverage_sentence(tr.get("draft_vocab_coverage"))
         + (f" Hidden states: {fmt(tr['hidden_states'])}." if tr.get("hidden_states") else "")],
         [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],
         ["Training loss per epoch", "Per-position accuracy per epoch"])]

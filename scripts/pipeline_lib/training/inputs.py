@@ -105,9 +105,12 @@ def _check_dataset(data_dir: Path, rows: int, hs_path: str) -> list[int]:
     return [int(n) for n in ds.with_format(None)["seq_len"]]
 
 
-def write_vocab_maps(token_freq_path: Path, draft_vocab: int, target_vocab: int, out_dir: Path) -> tuple[Path, Path]:
+def write_vocab_maps(token_freq_path: Path, draft_vocab: int, target_vocab: int,
+                     out_dir: Path) -> tuple[Path, Path, dict]:
     """d2t/t2d with speculators' own mapping code, written into the training work dir (the
-    data dir belongs to the hidden_states rule)."""
+    data dir belongs to the hidden_states rule), and the draft vocabulary's coverage: the share
+    of the target's generated (loss-masked) tokens it can propose at all. A token outside it is
+    never drafted, so the coverage bounds what a draft vocabulary size can reach."""
     import numpy as np
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -132,7 +135,11 @@ def write_vocab_maps(token_freq_path: Path, draft_vocab: int, target_vocab: int,
         buf = io.BytesIO()
         np.save(buf, tensor.cpu().numpy())
         atomic_write_bytes(path, buf.getvalue())
-    covered = sum(c for t, c in freq.items() if t2d[int(t)])
+    total = int(sum(freq.values()))
+    covered = int(sum(c for t, c in freq.items() if t2d[int(t)]))
+    coverage = {"draft_vocab_size": draft_vocab, "target_vocab_size": target_vocab,
+                "distinct_generated_tokens": len(freq), "generated_tokens": total,
+                "covered_tokens": covered, "share": round(covered / total, 6)}
     log(f"draft vocabulary: {draft_vocab} of {target_vocab} tokens, covering "
-        f"{covered / sum(freq.values()):.1%} of the {sum(freq.values())} loss-masked tokens")
-    return paths
+        f"{covered / total:.1%} of the {total} loss-masked tokens ({len(freq)} distinct)")
+    return *paths, coverage
