@@ -273,6 +273,8 @@ CASES = {
         "verify": {"threads": 1, "runtime": 5}}), set()),
     # Variants: only the new variant's jobs, by wildcard, and the comparison table.
     "new_train_variant": (lambda c: c["variants"].update({"v2": {"draft_layers": 2}}), draft_jobs("v2") | COMPARE),
+    # A data-scaling size: a nested subset of the same conversations, so only its draft's jobs.
+    "new_size_variant": (lambda c: c["variants"].update({"v2": {"max_conversations": 8}}), draft_jobs("v2") | COMPARE),
     "new_variant_same_upstream_values": (
         _upstream_variant("generation", {"max_tokens": 24, "temperature": 0.0}), draft_jobs("v2") | COMPARE),
     # Online training: train and after rerun; nothing upstream (the hidden-state jobs leave the DAG).
