@@ -124,7 +124,7 @@ def test_train_draft_trains_on_the_subset_and_records_it(hs_run, stats, tmp_path
     rows = json.loads((view / SUBSET_ROWS).read_text())["rows"]
     used = prov["training_data"]
     assert used["conversations"] == 12 and used["of_conversations"] == CONVERSATIONS and used["rows"] == len(rows)
-    assert prov["inputs"]["tokenized_stats"] == str(stats)
+    assert prov["inputs"]["tokenized_stats"]["path"] == str(stats)
     # The same size and seed in another job picks the same rows.
     assert rows == subset(hs_run, stats, 12, tmp_path / "again").rows
 
