@@ -8,7 +8,6 @@ extracted from the tiny target); two of its conversations are written as several
 tokenize stage writes a conversation whose template re-renders an earlier answer."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, SCRIPTS, run_script, run_snakemake, with_defaults  # noqa: F401
+from conftest import run_script, run_snakemake, with_defaults
 from pipeline_lib import stages
 from pipeline_lib.errors import PipelineError
 from pipeline_lib.suite_stats import paired_difference, suite_figures

@@ -127,18 +127,22 @@ def _link(src: Path, dst: Path) -> None:
 
 
 class RowTable:
-    """The dataset's token columns as arrays (arrow, not Python lists: runs have millions of tokens)."""
+    """Per-row token counts of the dataset, read from its arrow columns chunk by chunk (runs
+    have millions of tokens: never as Python lists, never all of them copied at once)."""
+
+    BATCH = 1024  # rows per batch when counting a subset's tokens
 
     def __init__(self, ds):
         import numpy as np
-        import pyarrow.compute as pc
 
+        self.ds = ds
         table = ds.with_format("arrow")[:]
         self.seq_len = table.column("seq_len").to_numpy()
-        ids, mask = (table.column(c).combine_chunks() for c in ("input_ids", "loss_mask"))
-        self.row_of_token = pc.list_parent_indices(ids).to_numpy()
-        self.ids, self.mask = pc.list_flatten(ids).to_numpy(), pc.list_flatten(mask).to_numpy().astype(bool)
-        self.loss_tokens = np.bincount(self.row_of_token, weights=self.mask, minlength=len(self.seq_len))
+        per_chunk = []
+        for chunk in table.column("loss_mask").chunks:
+            if len(chunk):  # offsets index the chunk's values (sliced chunks too); rows are never empty
+                per_chunk.append(np.add.reduceat(chunk.values.to_numpy(), chunk.offsets.to_numpy()[:-1]))
+        self.loss_tokens = np.concatenate(per_chunk) if per_chunk else np.zeros(0, dtype=np.int64)
 
     def counts(self, rows: list[int], train_rows: int) -> dict[str, int]:
         seq = self.seq_len[rows]
@@ -148,10 +152,15 @@ class RowTable:
     def token_freq(self, rows: list[int]) -> dict[int, int]:
         """{token id: count} over the loss-masked tokens of `rows` (tokenize's token_freq.pt format)."""
         import numpy as np
+        import pyarrow.compute as pc
 
-        keep = np.isin(self.row_of_token, rows) & self.mask
-        ids, counts = np.unique(self.ids[keep], return_counts=True)
-        return {int(t): int(c) for t, c in zip(ids, counts)}
+        total: dict[int, int] = {}
+        for start in range(0, len(rows), self.BATCH):
+            batch = self.ds.select(rows[start:start + self.BATCH]).with_format("arrow")[:]
+            ids, mask = (pc.list_flatten(batch.column(c)).to_numpy() for c in ("input_ids", "loss_mask"))
+            for t, c in zip(*np.unique(ids[mask.astype(bool)], return_counts=True)):
+                total[int(t)] = total.get(int(t), 0) + int(c)
+        return total
 
 
 def training_data(data: Path, token_freq: Path, stats_path: Path | None, settings: TrainSettings,
