@@ -427,8 +427,10 @@ def hs_manifest_for(variant):
 
 
 def train_inputs(wildcards):
-    """input: the target, and the hidden states (offline) or the tokenized data (online)."""
-    inputs = {"target": f"{R}/target/model", "target_manifest": f"{R}/target/manifest.json"}
+    """input: the target, the tokenized stats (their row ids group rows into conversations:
+    train.max_conversations), and the hidden states (offline) or the tokenized data (online)."""
+    inputs = {"target": f"{R}/target/model", "target_manifest": f"{R}/target/manifest.json",
+              "tokenized_stats": variant_file("tokenized", "stats.json")(wildcards)}
     if hs_online(wildcards.variant):
         return inputs | {"data": variant_file("tokenized", "data")(wildcards),
                          "token_freq": variant_file("tokenized", "token_freq.pt")(wildcards)}

@@ -7,6 +7,8 @@
 # tokenized data, with a vLLM server the job starts on its own GPUs (server_gpus of
 # resources.train.gpu) and stops however it ends. hidden_states.json records which (and the
 # server's layer ids).
+# train.max_conversations trains on a nested subset of the conversations (a scratch view in
+# checkpoints/data-subset/, pipeline_lib/training/subset.py): sizes share every upstream stage.
 
 
 rule train_draft:
@@ -43,6 +45,7 @@ rule train_draft:
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --target-manifest {input.target_manifest}"
         " --data {input.data} {params.source_args} --hs-settings {params.hs_settings:q}"
+        " --tokenized-stats {input.tokenized_stats}"
         " --checkpoints {params.checkpoints} --gpus {resources.gpu} --nodes {resources.nodes}"
         " --final {output.final} --untrained {output.untrained} --metrics {output.metrics}"
         " --provenance {output.provenance} --hs-record {output.hs_record} > {log} 2>&1"

@@ -3,7 +3,8 @@
 variant changes (settings that differ from the base config) and which stage instances it is
 built from, verdict, contract result, mean acceptance length (trained and untrained),
 per-position acceptance rates, speedup, and the selected epoch's validation loss and
-per-position accuracies.
+per-position accuracies. Variants that differ only in train.max_conversations also get the
+data-scaling table and plot (pipeline_lib/report/scaling.py).
 
 Writes the table as CSV (one row per variant), and as comparison.md and a self-contained
 comparison.html with a plot of the mean acceptance length per variant.
@@ -24,8 +25,9 @@ from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
+from pipeline_lib.report import scaling  # noqa: E402
 from pipeline_lib.report.throughput import speedup_text  # noqa: E402
-from pipeline_lib.suite_stats import BASE_SUITE, paired_difference  # noqa: E402
+from pipeline_lib.suite_stats import paired_difference  # noqa: E402
 
 PLOT = "Mean acceptance length per variant"
 # Columns of the readable table and their headers (the CSV has every column).
@@ -87,6 +89,9 @@ def variant_row(path: Path) -> dict[str, Any]:
             entry.get("interval") if entry.get("speedup") is not None else (None, None)
         row[f"speedup_{key}_not_measured"] = entry.get("reason")
     training = v.get("training") or {}
+    used = training.get("training_data") or {}
+    for key in ("conversations", "of_conversations", "rows", "train_rows", "tokens", "train_tokens"):
+        row[f"trained_on_{key}"] = used.get(key)
     row["selected_epoch"] = training.get("selected_epoch")
     for key, value in (training.get("selected_val") or {}).items():
         row[f"val_{key}"] = value
@@ -119,24 +124,18 @@ def differences(reports: list[dict]) -> list[dict[str, Any]]:
     if len(reports) < 2:
         return []
     boot = get_in(reports[0], "suites", "bootstrap") or {"samples": 1000, "seed": 0}
-
-    def by_suite(report: dict) -> dict[str, list[dict]]:
-        out: dict[str, list[dict]] = {}
-        for r in get_in(report, "acceptance", "requests", "trained") or []:
-            out.setdefault(r.get("suite") or BASE_SUITE, []).append(r)
-        return out
-
-    base = by_suite(reports[0])
+    base = scaling.requests_by_suite(reports[0])
     out = []
     for other in reports[1:]:
-        for suite, rows in by_suite(other).items():
+        for suite, rows in scaling.requests_by_suite(other).items():
             diff = paired_difference(base.get(suite, []), rows, boot["samples"], boot["seed"])
             if diff:
                 out.append({"variant": other["variant"], "against": reports[0]["variant"], "suite": suite, **diff})
     return out
 
 
-def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] | None = None) -> list[Section]:
+def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] | None = None,
+                        curves: list[scaling.Curve] | None = None) -> list[Section]:
     def cell(row: dict, column: str) -> str:
         if column == "acceptance_rates_trained":
             rates = [row[c] for c in row if c.startswith("acceptance_rate_pos") and c.endswith("_trained")]
@@ -180,7 +179,7 @@ def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] 
         "bootstrap of the difference on the prompts both measured: it differs when the difference's 95% "
         "interval excludes 0. Every "
         "column for every variant is in comparison.csv; each variant's own report is in "
-        "drafts/<variant>/report/."], tables, [PLOT])]
+        "drafts/<variant>/report/."], tables, [PLOT]), *scaling.sections(curves or [])]
 
 
 def main() -> int:
@@ -191,11 +190,20 @@ def main() -> int:
     p.add_argument("--html", help="comparison.html to write")
     args = p.parse_args()
     rows = [variant_row(Path(r)) for r in args.reports]
-    diffs = differences([read_json(Path(r), "verification report") for r in args.reports])
+    reports = [read_json(Path(r), "verification report") for r in args.reports]
+    diffs = differences(reports)
+    curves = scaling.scaling_curves(reports)
     for d in diffs:  # in the csv too: the difference from the first variant and whether it is beyond chance
         row = next(r for r in rows if r["variant"] == d["variant"])
         row[f"{SUITE_PREFIX}{d['suite']}:difference_vs_{d['against']}"] = d["difference"]
         row[f"{SUITE_PREFIX}{d['suite']}:differs_vs_{d['against']}"] = d["differs"]
+    for curve in curves:  # the last step's gain, on the larger variant's row
+        for d in curve.last_step:
+            row = next(r for r in rows if r["variant"] == d["to"])
+            row[f"{SUITE_PREFIX}{d['suite']}:gain_per_conversation_vs_{d['from']}"] = d["per_conversation"]
+            row[f"{SUITE_PREFIX}{d['suite']}:gain_per_conversation_vs_{d['from']}:interval_low"], \
+                row[f"{SUITE_PREFIX}{d['suite']}:gain_per_conversation_vs_{d['from']}:interval_high"] = \
+                d["per_conversation_interval"]
     names = [r["variant"] for r in rows]
     if len(set(names)) != len(names):
         raise PipelineError(f"--reports: variant names repeat ({names}); give one report per variant")
@@ -207,11 +215,14 @@ def main() -> int:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(args.out, buf.getvalue())
-    sections = comparison_sections(rows, diffs)
+    sections = comparison_sections(rows, diffs, curves)
     if args.markdown:
         atomic_write_text(args.markdown, render_markdown(sections, Path(args.html or "comparison.html").name))
     if args.html:
-        atomic_write_text(args.html, render_html("Draft variants compared", sections, {PLOT: acceptance_plot(rows)}))
+        plots = {PLOT: acceptance_plot(rows)}
+        if curves:
+            plots[scaling.PLOT] = scaling.plot(curves)
+        atomic_write_text(args.html, render_html("Draft variants compared", sections, plots))
     print(f"[compare] {len(rows)} variant(s) -> {args.out}", file=sys.stderr)
     return 0
 

@@ -46,6 +46,7 @@ from pipeline_lib.training.checkpoints import (METRICS_LOG, epoch_checkpoint_byt
 from pipeline_lib.training.inputs import check_inputs, write_vocab_maps  # noqa: E402
 from pipeline_lib.training.outputs import export_draft, val_summary, write_metrics_csv  # noqa: E402
 from pipeline_lib.training.settings import TrainSettings, check_device_settings  # noqa: E402
+from pipeline_lib.training.subset import SUBSET_DIR, training_data  # noqa: E402
 from pipeline_lib.training.trainer import (UNTRAINED_BUILD, WORKER_SPEC, build_untrained, install_logging,  # noqa: E402
                                            run_worker, train, trainer_argv)
 
@@ -70,6 +71,8 @@ def parse_args():
                         "dtype, server_gpus, server_start_timeout_s, request_timeout_s)")
     p.add_argument("--token-freq", help="token_freq.pt for the draft vocabulary (default: DATA/token_freq.pt)")
     p.add_argument("--hs-record", help="output: the hidden states trained on (mode, storage, layer ids)")
+    p.add_argument("--tokenized-stats", help="the tokenize stage's stats.json: its row_ids group the rows into "
+                                             "conversations (counted in the provenance; train.max_conversations)")
     p.add_argument("--trainer-worker", help=argparse.SUPPRESS)  # set by launch for torchrun processes
     args = p.parse_args()
     if not args.trainer_worker:
@@ -112,14 +115,20 @@ def main() -> int | None:
         f"{inputs.aux_layer_ids} from {source.where}; hidden states {source.mode}, storage {source.storage}; "
         f"device {'cpu' if on_cpu else 'cuda'}, launch {mode}")
 
-    ckpt, target, data = Path(args.checkpoints), Path(args.target), Path(args.data)
+    ckpt, target = Path(args.checkpoints), Path(args.target)
+    # The whole data dir, or a view of a nested subset of its conversations (train.max_conversations).
+    used = training_data(Path(args.data), Path(args.token_freq) if args.token_freq else Path(args.data) / "token_freq.pt",
+                         Path(args.tokenized_stats) if args.tokenized_stats else None, settings,
+                         ckpt / SUBSET_DIR, with_hidden_states=source.mode == "offline")
     trainer_checkout = checkout.checkout_state()
     for stale in checkout.remove_patches(ckpt):  # an earlier speculators run's diff of uncommitted edits
         log(f"removed {stale}")
     resumed_after = prepare_checkpoints(ckpt, trajectory_fingerprint(settings, inputs, source.fingerprint()),
                                         settings.epochs, settings.extend_epochs)
-    d2t, t2d, vocab_coverage = write_vocab_maps(Path(args.token_freq) if args.token_freq else data / "token_freq.pt",
-                                settings.draft_vocab_size, inputs.target_vocab_size, ckpt / "vocab")
+    used = used.materialize()  # after prepare_checkpoints: checkpoints moved aside take their old view along
+    data = used.data
+    d2t, t2d, vocab_coverage = write_vocab_maps(used.token_freq, settings.draft_vocab_size,
+                                                inputs.target_vocab_size, ckpt / "vocab")
     argv = trainer_argv(settings, inputs, target, data, ckpt, d2t, t2d)
     metrics_log = ckpt / METRICS_LOG
     install_logging(metrics_log)
@@ -160,8 +169,9 @@ def main() -> int | None:
         atomic_write_json(args.hs_record, hs_record)
         outputs["hs_record"] = args.hs_record
     inputs_used = {"target": args.target, "target_manifest": args.target_manifest, "data": args.data}
-    if args.hs_manifest:
-        inputs_used["hs_manifest"] = args.hs_manifest
+    for key in ("hs_manifest", "tokenized_stats"):
+        if getattr(args, key):
+            inputs_used[key] = getattr(args, key)
     prov.write(args.provenance, inputs=inputs_used, outputs=outputs,
                selected_epoch=selected, best_epoch=best, resumed_after_epoch=resumed_after,
                training_history=training_history(ckpt), trainer_checkout=trainer_checkout,
@@ -170,6 +180,7 @@ def main() -> int | None:
                checkpoints=pruned, trainer_argv=argv,
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},
                hidden_states={k: hs_record.get(k) for k in ("mode", "storage", "transfer")},
+               training_data=used.record,
                **summary)
     log(f"final/ = epoch {selected} ({settings.select}); " +
         ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))

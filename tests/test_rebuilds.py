@@ -29,6 +29,7 @@ import pytest
 from conftest import PY, REPO, plan_together, run_snakemake, with_defaults, write_config
 from pipeline_lib import stages
 from pipeline_lib.digests import path_digest
+from pipeline_lib.training.subset import conversations
 from test_workflow import planned_job_set
 
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "profiles", "envs"]
@@ -273,6 +274,8 @@ CASES = {
         "verify": {"threads": 1, "runtime": 5}}), set()),
     # Variants: only the new variant's jobs, by wildcard, and the comparison table.
     "new_train_variant": (lambda c: c["variants"].update({"v2": {"draft_layers": 2}}), draft_jobs("v2") | COMPARE),
+    # A data-scaling size: a nested subset of the same conversations, so only its draft's jobs.
+    "new_size_variant": (lambda c: c["variants"].update({"v2": {"max_conversations": 8}}), draft_jobs("v2") | COMPARE),
     "new_variant_same_upstream_values": (
         _upstream_variant("generation", {"max_tokens": 24, "temperature": 0.0}), draft_jobs("v2") | COMPARE),
     # Online training: train and after rerun; nothing upstream (the hidden-state jobs leave the DAG).
@@ -495,6 +498,34 @@ def test_code_change_reruns_its_rules_and_after(built, moved, tmp_path, path):
 # The cases that run build up to the trained draft: the bytes they compare are upstream of
 # verification, and which verification jobs a change reruns is planned above.
 FINAL = f"results/{RUN}/drafts/default/final"
+
+
+def test_size_variants_train_nested_subsets_and_the_comparison_scales(built, tmp_path):
+    """Two data-scaling sizes for real on the finished run: nothing upstream is redone (same
+    bytes), each draft trains on its nested subset (the view's source rows), its provenance
+    counts them, and the comparison shows tau against conversations and the last step."""
+    repo, work, cfg = built
+    work = clone(work, tmp_path / "w")
+    before = artifacts(work)
+    cfg = edited(cfg, lambda c: c["variants"].update({"conv-6": {"max_conversations": 6},
+                                                      "conv-12": {"max_conversations": 12}}))
+    run_snakemake(work, cfg, f"results/{RUN}/drafts/comparison.md", snakefile=repo / "Snakefile")
+    assert artifacts(work) == before
+    r = work / "results" / RUN
+    total = len(conversations(json.loads((r / "tokenized/stats.json").read_text())["row_ids"]))
+    rows, used = {}, {}
+    for n in (6, 12):
+        rows[n] = json.loads((r / f"drafts/conv-{n}/checkpoints/data-subset/rows.json").read_text())["rows"]
+        used[n] = json.loads((r / f"drafts/conv-{n}/provenance.json").read_text())["training_data"]
+        assert used[n]["conversations"] == n and used[n]["of_conversations"] == total and used[n]["rows"] == len(rows[n])
+    assert set(rows[6]) < set(rows[12])
+    assert json.loads((r / "drafts/default/provenance.json").read_text())["training_data"]["conversations"] == total
+    md = (r / "drafts/comparison.md").read_text()
+    scaling = md.split("Data scaling: acceptance against training conversations")[1]
+    for variant, n in (("conv-6", 6), ("conv-12", 12), ("default", total)):
+        assert re.search(rf"^\| {variant} \| \(base config\) \| {n} of {total} \|", scaling, re.M), scaling
+    assert f"conv-12 (12) -> default ({total}) | {total - 12} |" in scaling
+    assert 'alt="Mean acceptance length against training conversations"' in (r / "drafts/comparison.html").read_text()
 
 
 def test_aux_layer_change_runs_and_keeps_upstream_bytes(built, tmp_path):

@@ -132,8 +132,10 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
                                   shape.get("intermediate_size")) if hidden else None
         # bf16 weights per kept epoch + fp32 Adam moments (2x4 bytes) in the latest only.
         ckpt = params * 2 * t["keep_last"] + params * 8 if params else None
-        gpu_h = train_tokens * t["epochs"] / throughput["train_tokens_per_s"] / 3600
-        online_h = online_train_gpu_hours(train_tokens, t, cfg["hidden_states"], train_res, throughput)
+        # A data-scaling size trains on its share of the conversations (train.max_conversations).
+        share = min(1.0, t["max_conversations"] / n_prompts) if t.get("max_conversations") and n_prompts else 1.0
+        gpu_h = train_tokens * share * t["epochs"] / throughput["train_tokens_per_s"] / 3600
+        online_h = online_train_gpu_hours(round(train_tokens * share), t, cfg["hidden_states"], train_res, throughput)
         variants[name] = {"draft_parameters": params, "checkpoint_bytes": ckpt, "epochs": t["epochs"],
                           "hidden_states_mode": cfg["hidden_states"]["mode"],
                           "offline_train_gpu_hours": round(gpu_h, 3), "online_train_gpu_hours": round(online_h, 3),

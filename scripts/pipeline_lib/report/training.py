@@ -67,13 +67,24 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
     # What the draft was trained on: the traces' conversation and turn counts.
     traces = next((p for p in provenance if p.get("rule") == "traces_gather"), {})
     out["data"] = {"turns": traces.get("turns"), "source": traces.get("source"), **(traces.get("counts") or {})}
+    # What the draft itself trained on: all conversations or a subset (train.max_conversations).
+    out["training_data"] = train_prov.get("training_data")
     return out
 
 
-def data_sentence(data: dict[str, Any]) -> str:
+def subset_sentence(used: dict[str, Any] | None) -> str:
+    if not used or not used.get("subset"):
+        return ""
+    return (f"This draft trained on a subset (train.max_conversations): {used['conversations']} of "
+            f"{used['of_conversations']} conversations, {used['rows']} rows ({used['train_rows']} train), "
+            f"{used['tokens']} tokens: {used['subset']['definition']}.")
+
+
+def data_sentence(data: dict[str, Any], subset: bool = False) -> str:
     if not data.get("rows"):
         return ""
-    return (f"Trained on {data['rows']} conversations ({data.get('failed', 0)} failed), answers from "
+    return (f"{'The run has' if subset else 'Trained on'} {data['rows']} conversations ({data.get('failed', 0)} "
+            f"failed), answers from "
             f"{'the prompt set' if data.get('source') == 'dataset' else 'the target'} "
             f"(generation.turns: {data.get('turns')}): {data.get('turns_answered')} user turns answered, "
             f"{data.get('turns_failed')} failed, {data.get('turns_dropped')} of {data.get('turns_total')} dropped"
@@ -93,9 +104,11 @@ def sections(result: dict) -> list[Section]:
     accs = [k for k in (tr.get("selected_val") or {}) if k.startswith("acc_")]
     trows = [[split, tr[split]["last_epoch"], *[fmt(tr[split]["final"].get(k)) for k in ["loss", *accs]]]
              for split in tr.get("splits", [])]
+    subset = bool((tr.get("training_data") or {}).get("subset"))
     return [Section("Training", [
         f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
-        f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {})}".rstrip()
+        f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {}, subset)} "
+        f"{subset_sentence(tr.get('training_data'))}".rstrip()
         + coverage_sentence(tr.get("draft_vocab_coverage"))
         + (f" Hidden states: {fmt(tr['hidden_states'])}." if tr.get("hidden_states") else "")],
         [Table(["split", "last epoch", "loss", *accs], trows)] if trows else [],

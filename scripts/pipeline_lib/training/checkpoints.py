@@ -71,7 +71,10 @@ def trajectory_fingerprint(settings: TrainSettings, inputs: TrainingInputs,
     """Everything that shapes the training trajectory: the settings (the schedule's length,
     `epochs`, included), the inputs' digests, how the hidden states are stored and served
     (`source`: the training source's fingerprint) and the trainer version."""
-    return {**{k: v for k, v in settings.as_dict().items() if k not in NOT_IN_FINGERPRINT},
+    chosen = {k: v for k, v in settings.as_dict().items() if k not in NOT_IN_FINGERPRINT}
+    if chosen["max_conversations"] is None:  # all rows: as before the key existed, so those checkpoints resume
+        del chosen["max_conversations"]
+    return {**chosen,
             "target_digest": inputs.target_digest, "data_digest": inputs.data_digest,
             "rows": inputs.rows, "aux_layer_ids": inputs.aux_layer_ids,
             "speculators": speculators_cpu.installed_version(), **source}

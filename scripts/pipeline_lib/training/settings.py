@@ -28,8 +28,9 @@ class TrainSettings:
     select: str
     num_workers: int
     extend_epochs: bool = False
+    max_conversations: int | None = None   # None: all of the run's training conversations
 
-    OPTIONAL = {"extend_epochs": False}
+    OPTIONAL = {"extend_epochs": False, "max_conversations": None}
     CHOICES = {"optimizer": ("adamw", "muon"), "scheduler": ("linear", "cosine", "none"),
                "attn_impl": ("sdpa", "simple_flex_attention", "eager"),
                "loss_impl": ("eager", "fused"), "select": ("best", "last")}
@@ -43,6 +44,9 @@ class TrainSettings:
             value = raw.get(name, cls.OPTIONAL[name]) if name in cls.OPTIONAL else cli.require(raw, name, SECTION)
             if kind == "bool" and not isinstance(value, bool):
                 raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected true or false")
+            if kind == "int | None" and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                                or value < 1):
+                raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected a positive integer or null")
             if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise PipelineError(f"setting {SECTION}.{name} = {value!r}: expected an integer")
             if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
