@@ -250,14 +250,14 @@ def test_kimi_scale_plan_prices_each_hidden_state_option(tiny_target, tmp_path):
 
 def test_plan_counts_the_built_prompts_when_a_mix_entry_has_no_cap(tiny_target, tmp_path):
     """A mix entry without num_samples takes its whole source: the first plan cannot size it and
-    says so; once prompts_train has run, the plan counts its rows."""
+    says so; once prompts_train has run, the plan takes the count its provenance records."""
     cfg = base_test_config(tiny_target)
     cfg["prompts"]["train"]["num_samples"] = None
     cfg = with_defaults(cfg)
     plan = make_plan(cfg, tmp_path)
     assert plan["prompts"] == 0 and any("num_samples is null" in n for n in plan["notes"])
     (tmp_path / "prompts").mkdir()
-    (tmp_path / "prompts" / "train.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n')
+    (tmp_path / "prompts" / "train.provenance.json").write_text('{"rule": "prompts_train", "counts": {"written": 3}}')
     plan = make_plan(cfg, tmp_path)
     assert plan["prompts"] == 3 and any("counted in" in n for n in plan["notes"])
     assert "traces: 3 prompts" in format_plan(plan)

@@ -92,13 +92,13 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     n_prompts = train_prompt_count(config["prompts"], synth.get("num_prompts")) or plan_cfg.get("num_prompts")
     avg_prompt = plan_cfg.get("avg_prompt_tokens", 128)
     notes = []
-    built = results_dir / "prompts" / "train.jsonl"
+    built = results_dir / "prompts" / "train.provenance.json"
     if n_prompts is None and built.exists():
         # A mix entry without num_samples takes every row of its source: once prompts_train has
-        # run, its output says how many that was (a later change of the mix re-plans from there).
-        with open(built, "rb") as f:
-            n_prompts = sum(1 for line in f if line.strip())
-        notes.append(f"training prompts counted in {built} (a mix entry without num_samples takes its whole source)")
+        # run, its provenance records how many that was (read at parse time: a small file, not the rows).
+        n_prompts = (json.loads(built.read_text()).get("counts") or {}).get("written")
+        if n_prompts is not None:
+            notes.append(f"training prompts counted in {built} (a mix entry without num_samples takes its whole source)")
     if n_prompts is None:
         notes.append("prompts.train.num_samples is null: set it or plan.num_prompts to size the run")
         n_prompts = 0

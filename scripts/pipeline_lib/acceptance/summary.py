@@ -19,13 +19,14 @@ def assemble(spec: MeasureSpec, backend: str, runs: dict[str, RunResult], notes:
         from_requests = steps_block([s for r in run.records for s in request_steps(r)], k)
         if run.global_block is not None:
             acceptance[name] = dict(run.global_block)
-            consistency[name] = {
-                key: {"global": run.global_block[key], "sum_of_requests": from_requests[key]}
-                for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-            consistency[name]["matches"] = all(v["global"] == v["sum_of_requests"]
-                                               for v in consistency[name].values())
             if run.per_request_source:  # a second pass, one prompt at a time: its sums need not match the batch's
                 consistency[name] = {"matches": None, "per_request_source": run.per_request_source}
+            else:
+                consistency[name] = {
+                    key: {"global": run.global_block[key], "sum_of_requests": from_requests[key]}
+                    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+                consistency[name]["matches"] = all(v["global"] == v["sum_of_requests"]
+                                                   for v in consistency[name].values())
         else:
             acceptance[name] = dict(from_requests, source=f"{backend}:verify steps")
         acceptance[name]["output_tokens"] = sum(len(r.token_ids) for r in run.records)
