@@ -177,18 +177,25 @@ def baseline_settings_for_key(key):
 
 
 def contract_settings(variant):
-    """What the contract checks read: the reference draft, the train-vs-serve sample size, and
+    """What the contract checks read: the draft type and the k it is served with, the reference draft, the train-vs-serve sample size, and
     how the variant's tokenized rows were rendered (the same template arguments for vLLM's render)."""
     cfg = stages.variant_config(config, variant)
-    return json.dumps({"reference_draft": cfg["verify"]["reference_draft"],
+    return json.dumps({"draft_type": cfg["train"]["draft_type"],
+                       # what a parallel type's draft must have been trained to propose
+                       "num_speculative_tokens": cfg["verify"]["num_speculative_tokens"],
+                       "reference_draft": cfg["verify"]["reference_draft"],
                        "serve_render_rows": cfg["verify"]["serve_render_rows"],
                        "chat_template_kwargs": cfg["generation"]["chat_template_kwargs"],
                        "trust_remote_code": cfg["target"]["trust_remote_code"]}, sort_keys=True)
 
 
-def variant_settings(variant):
+def variant_train(variant):
     """The train section as the variant sees it (base keys with its overrides)."""
-    return stages.settings_json(stages.variant_config(config, variant)["train"])
+    return stages.variant_config(config, variant)["train"]
+
+
+def variant_settings(variant):
+    return stages.settings_json(variant_train(variant))
 
 
 # --------------------------------------------------------------------------- stage instances

@@ -1,4 +1,5 @@
-# Stage 6 - train: one EAGLE-3 draft per variant with speculators' trainer; final/ is the
+# Stage 6 - train: one draft per variant with speculators' trainer (train.draft_type, EAGLE-3 by
+# default; a type vLLM cannot serve where verify runs is refused at plan time, stages.py); final/ is the
 # vLLM-loadable draft (best or last epoch), untrained/ the same draft before any step (the
 # verification baseline). Epoch checkpoints live in checkpoints/, outside the declared
 # outputs, so an interrupted run resumes from its latest epoch. A variant's draft is built from
@@ -61,6 +62,7 @@ rule load_check:
         script=script("load_check.py"),
         gpu_wrapper=script("run_on_gpus.py"),
         code=code_version("load_check.py", "run_on_gpus.py"),
+        draft_type=lambda wc: variant_train(wc.variant)["draft_type"],
     conda:
         CONDA_ENV
     log:
@@ -75,4 +77,4 @@ rule load_check:
     shell:
         "python {params.gpu_wrapper} --gpus {resources.gpu} --"
         " python {params.script} --target {input.target} --draft {input.draft}"
-        " --out {output} > {log} 2>&1"
+        " --draft-type {params.draft_type} --out {output} > {log} 2>&1"

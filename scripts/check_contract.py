@@ -21,7 +21,9 @@ inputs other than the draft (manifests, stats) are errors (exit 2).
 With online training (hidden_states.mode: online) --hs-manifest is the train job's
 hidden_states.json too: the layer ids its vLLM server extracted.
 
-Settings (config.yaml `verify`): reference_draft (a checkpoint dir compared side by side;
+Settings: draft_type (the variant's train.draft_type: the checks of that type run, and the
+draft must be of it) and num_speculative_tokens (verify's k, which a parallel type's draft must
+have been trained to propose). From config.yaml `verify`: reference_draft (a checkpoint dir compared side by side;
 differences are reported, they do not fail the contract); serve_render_rows (tokenized rows,
 evenly spaced, whose prompts are compared with vLLM's render; null = all). From the tokenized
 instance: chat_template_kwargs (rendered as generation and tokenize did) and trust_remote_code.
@@ -40,10 +42,6 @@ from pipeline_lib.io import atomic_write_json, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
 from pipeline_lib.secrets import scrub_obj  # noqa: E402
 from pipeline_lib.target import load_config, load_manifest  # noqa: E402
-
-# The draft type this pipeline trains (train_draft.py: speculators' --speculator-type eagle3).
-DRAFT_TYPE = "eagle3"
-
 
 def main() -> int:
     p = cli.parser(__doc__)
@@ -75,7 +73,8 @@ def main() -> int:
         raise PipelineError(f"{ctx.draft}: draft dir not found; run the train_draft rule first")
     load_draft_config(ctx)
 
-    checks = [run_check(name, fn, ctx) for name, fn in checks_for(DRAFT_TYPE)]
+    # The checks of the variant's draft type (each family declares the types it applies to).
+    checks = [run_check(name, fn, ctx) for name, fn in checks_for(ctx.draft_type)]
     reference = None
     if args.settings.get("reference_draft"):
         ref_checks, reference = compare_reference(ctx, args.settings["reference_draft"])
@@ -85,7 +84,7 @@ def main() -> int:
     summary = {"passed": sum(c.passed is True for c in checks), "failed": sum(c.passed is False for c in checks),
                "not_run": sum(c.passed is None for c in checks),
                "failed_required": [c.name for c in required if c.passed is False]}
-    record = {"passed": passed, "summary": summary, "checks": [asdict(c) for c in checks],
+    record = {"passed": passed, "summary": summary, "draft_type": ctx.draft_type, "checks": [asdict(c) for c in checks],
               "draft": str(args.draft), "target": str(args.target), "reference": reference}
     # Details quote settings and paths as given (a reference_draft URL, say): no credential in them.
     record = scrub_obj(record)

@@ -3,7 +3,9 @@
 variant changes (settings that differ from the base config) and which stage instances it is
 built from, verdict, contract result, mean acceptance length (trained and untrained),
 per-position acceptance rates, speedup, and the selected epoch's validation loss and
-per-position accuracies. Variants that differ only in train.max_conversations also get the
+per-position accuracies. Variants of more than one train.draft_type also get the draft types
+ranked per suite with paired intervals, and their parameters, training time and speedup
+(pipeline_lib/report/type_ranking.py); variants that differ only in train.max_conversations the
 data-scaling table and plot (pipeline_lib/report/scaling.py).
 
 Writes the table as CSV (one row per variant), and as comparison.md and a self-contained
@@ -25,13 +27,13 @@ from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_text, get_in, read_json  # noqa: E402
 from pipeline_lib.render import Section, Table, fmt, png, render_html, render_markdown  # noqa: E402
-from pipeline_lib.report import scaling  # noqa: E402
+from pipeline_lib.report import scaling, type_ranking  # noqa: E402
 from pipeline_lib.report.throughput import speedup_text  # noqa: E402
 from pipeline_lib.suite_stats import paired_difference  # noqa: E402
 
 PLOT = "Mean acceptance length per variant"
 # Columns of the readable table and their headers (the CSV has every column).
-SUMMARY_COLUMNS = {"variant": "variant", "changed_settings": "settings changed from the base config",
+SUMMARY_COLUMNS = {"variant": "variant", "draft_type": "draft type", "changed_settings": "settings changed from the base config",
                    "verdict": "verdict", "mean_acceptance_length_trained": "mean acceptance length: trained",
                    "mean_acceptance_length_untrained": "untrained", "acceptance_rates_trained":
                    "trained: acceptance rate per position", "val_loss": "validation loss",
@@ -55,6 +57,7 @@ def variant_row(path: Path) -> dict[str, Any]:
     lineage = v.get("lineage") or {}
     row: dict[str, Any] = {
         "variant": v["variant"],
+        "draft_type": get_in(v, "training", "draft_type") or "eagle3",
         "changed_settings": "; ".join(f"{k}={fmt(val)}" for k, val in (lineage.get("changed_settings") or {}).items()),
         **stage_columns(lineage.get("stage_instances") or {}),
         "verdict": "PASS" if v["verdict"].get("passed") else "FAIL",
@@ -93,6 +96,8 @@ def variant_row(path: Path) -> dict[str, Any]:
     for key in ("conversations", "of_conversations", "rows", "train_rows", "tokens", "train_tokens"):
         row[f"trained_on_{key}"] = used.get(key)
     row["selected_epoch"] = training.get("selected_epoch")
+    row["draft_parameters"] = (training.get("draft_parameters") or {}).get("without_embeddings")
+    row["train_step_s"] = training.get("train_step_s")
     for key, value in (training.get("selected_val") or {}).items():
         row[f"val_{key}"] = value
     row["thresholds_failed"] = ";".join(t["name"] for t in v.get("thresholds", []) if t.get("status") == "FAIL")
@@ -135,7 +140,8 @@ def differences(reports: list[dict]) -> list[dict[str, Any]]:
 
 
 def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] | None = None,
-                        curves: list[scaling.Curve] | None = None) -> list[Section]:
+                        curves: list[scaling.Curve] | None = None,
+                        reports: list[dict[str, Any]] | None = None) -> list[Section]:
     def cell(row: dict, column: str) -> str:
         if column == "acceptance_rates_trained":
             rates = [row[c] for c in row if c.startswith("acceptance_rate_pos") and c.endswith("_trained")]
@@ -179,7 +185,8 @@ def comparison_sections(rows: list[dict[str, Any]], diffs: list[dict[str, Any]] 
         "bootstrap of the difference on the prompts both measured: it differs when the difference's 95% "
         "interval excludes 0. Every "
         "column for every variant is in comparison.csv; each variant's own report is in "
-        "drafts/<variant>/report/."], tables, [PLOT]), *scaling.sections(curves or [])]
+        "drafts/<variant>/report/."], tables, [PLOT]), *type_ranking.sections(reports or []),
+        *scaling.sections(curves or [])]
 
 
 def main() -> int:
@@ -215,7 +222,7 @@ def main() -> int:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(args.out, buf.getvalue())
-    sections = comparison_sections(rows, diffs, curves)
+    sections = comparison_sections(rows, diffs, curves, reports)
     if args.markdown:
         atomic_write_text(args.markdown, render_markdown(sections, Path(args.html or "comparison.html").name))
     if args.html:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Load a trained draft in real vLLM as the EAGLE-3 speculator of its target and generate.
+"""Load a trained draft in real vLLM as the speculator of its target (by its draft type:
+EAGLE-3, P-EAGLE, DFlash, ...) and generate.
 
 When vLLM builds the engine with the draft, writes --out: {"ok", "checks", "tokens",
 "seconds", "vllm_version", "spec_decode": {...}, "verifier_path": {...}, ...}. `checks` are
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, runtime  # noqa: E402
+from pipeline_lib import cli, draft_types, runtime  # noqa: E402
 from pipeline_lib import target as target_lib  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json  # noqa: E402
@@ -36,22 +37,23 @@ PROMPTS = [
 MAX_MODEL_LEN = 512  # a load check needs no long context; keeps the KV cache small on CPU
 
 
-def check_draft_dir(draft: Path) -> dict:
+def check_draft_dir(draft: Path, expected_type: str) -> tuple[dict, draft_types.DraftType]:
     """The speculators-format fields vLLM needs; refuse early with a message that says which."""
     path = draft / "config.json"
     if not path.exists():
         raise PipelineError(f"{path}: missing; --draft must be a speculators checkpoint dir "
                             f"(drafts/<variant>/final or untrained)")
     config = json.loads(path.read_text())
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get("speculators_model_type") != expected_type:
         raise PipelineError(f"{path}: speculators_model_type = {config.get('speculators_model_type')!r}, "
-                            f"expected 'eagle3'")
-    if not config.get("eagle_aux_hidden_state_layer_ids"):
-        raise PipelineError(f"{path}: eagle_aux_hidden_state_layer_ids is missing; vLLM would silently "
+                            f"expected {expected_type!r} (the variant's train.draft_type)")
+    draft_type = draft_types.get(expected_type)
+    if not config.get(draft_type.aux_layers_key):
+        raise PipelineError(f"{path}: {draft_type.aux_layers_key} is missing; vLLM would silently "
                             f"use its default layers. Re-run train_draft")
     if not list(draft.glob("*.safetensors")):
         raise PipelineError(f"{draft}: no .safetensors weights")
-    return config
+    return config, draft_type
 
 
 def verifier_path_status(draft: Path, target: Path) -> dict:
@@ -92,7 +94,9 @@ def spec_decode_counts(metrics) -> dict:
 def main() -> int:
     p = cli.parser(__doc__)
     p.add_argument("--target", required=True, help="target model dir")
-    p.add_argument("--draft", required=True, help="speculators EAGLE-3 checkpoint dir")
+    p.add_argument("--draft", required=True, help="speculators checkpoint dir")
+    p.add_argument("--draft-type", default="eagle3", choices=sorted(draft_types.DRAFT_TYPES),
+                   help="the type the draft must be (the variant's train.draft_type)")
     p.add_argument("--out", required=True, help="load_check.json to write")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
@@ -100,7 +104,7 @@ def main() -> int:
 
     target, draft = Path(args.target), Path(args.draft)
     target_config = target_lib.load_config(target)
-    draft_config = check_draft_dir(draft)
+    draft_config, draft_type = check_draft_dir(draft, args.draft_type)
     runtime.setup()
     # The engine in this process, on GPU too: vLLM's own exception reaches us (not "engine core
     # failed, see above") and the CPU box starts it in seconds instead of a minute.
@@ -108,8 +112,7 @@ def main() -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    speculative_config = {"method": "eagle3", "model": str(draft),
-                          "num_speculative_tokens": args.num_speculative_tokens}
+    speculative_config = draft_type.speculative_config(str(draft), args.num_speculative_tokens)
     max_len = min(MAX_MODEL_LEN, int(target_lib.text_config(target_config).get("max_position_embeddings") or MAX_MODEL_LEN))
     started = time.time()
     try:
@@ -119,7 +122,7 @@ def main() -> int:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
         spec = spec_decode_counts(llm.get_metrics())
     except Exception as err:  # vLLM raises many types; its message is what the user needs
-        raise PipelineError(f"vLLM could not run {draft} as the EAGLE-3 draft of {target}: "
+        raise PipelineError(f"vLLM could not run {draft} as the {draft_type.title} draft of {target}: "
                             f"{type(err).__name__}: {err}") from None
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     verifier = verifier_path_status(draft, target)
@@ -131,7 +134,8 @@ def main() -> int:
         "vllm_version": vllm.__version__, "draft": str(draft), "target": str(target),
         "speculative_config": speculative_config, "spec_decode": spec,
         "draft_vocab_size": draft_config.get("draft_vocab_size"),
-        "aux_layer_ids": draft_config.get("eagle_aux_hidden_state_layer_ids"),
+        "draft_type": draft_type.name,
+        "aux_layer_ids": draft_config.get(draft_type.aux_layers_key),
         "verifier_path": verifier,
         "sample": outputs[0].outputs[0].text if tokens else "",
     }

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Train one EAGLE-3 draft with speculators' own trainer (speculator_type eagle3).
+"""Train one draft with speculators' own trainer, of the variant's train.draft_type (EAGLE-3 by
+default; pipeline_lib/draft_types.py lists the others).
 
 Reads the hidden-states data dir and its manifest (the aux layer ids come only from there) or,
 with `hidden_states.mode: online` (--hs-settings), the tokenized data and a vLLM server this job
@@ -44,7 +45,7 @@ from pipeline_lib.training.checkpoints import (METRICS_LOG, epoch_checkpoint_byt
                                                prune, remove_incomplete_epochs, selected_checkpoint,
                                                training_history, trajectory_fingerprint)
 from pipeline_lib.training.inputs import check_inputs, write_vocab_maps  # noqa: E402
-from pipeline_lib.training.outputs import export_draft, val_summary, write_metrics_csv  # noqa: E402
+from pipeline_lib.training.outputs import export_draft, parameter_count, val_summary, write_metrics_csv  # noqa: E402
 from pipeline_lib.training.settings import TrainSettings, check_device_settings  # noqa: E402
 from pipeline_lib.training.subset import SUBSET_DIR, training_data  # noqa: E402
 from pipeline_lib.training.trainer import (UNTRAINED_BUILD, WORKER_SPEC, build_untrained, install_logging,  # noqa: E402
@@ -111,6 +112,10 @@ def main() -> int | None:
     check_device_settings(settings, on_cpu)
     prov = Provenance("train_draft", settings.as_dict())
     inputs = check_inputs(args, settings, source)
+    if settings.type.full_vocab_only and settings.draft_vocab_size != inputs.target_vocab_size:
+        raise PipelineError(f"train.draft_vocab_size = {settings.draft_vocab_size}: speculators trains "
+                            f"{settings.type.title} drafts on the target's full vocabulary only; set "
+                            f"train.draft_vocab_size: {inputs.target_vocab_size} for this variant")
     log(f"{inputs.rows} rows ({inputs.train_rows} train), {inputs.tokens} tokens, aux layers "
         f"{inputs.aux_layer_ids} from {source.where}; hidden states {source.mode}, storage {source.storage}; "
         f"device {'cpu' if on_cpu else 'cuda'}, launch {mode}")
@@ -156,13 +161,14 @@ def main() -> int | None:
     train_s = time.time() - started
 
     selected, best = selected_checkpoint(ckpt, settings, started)
-    df = write_metrics_csv(metrics_log, settings.epochs, settings.ttt_steps, Path(args.metrics))
-    export_draft(ckpt / str(selected), Path(args.final), target, inputs.aux_layer_ids)
-    export_draft(untrained_src, Path(args.untrained), target, inputs.aux_layer_ids)
+    df = write_metrics_csv(metrics_log, settings.epochs, settings.draft_type, Path(args.metrics))
+    aux_key = settings.type.aux_layers_key
+    export_draft(ckpt / str(selected), Path(args.final), target, inputs.aux_layer_ids, aux_key)
+    export_draft(untrained_src, Path(args.untrained), target, inputs.aux_layer_ids, aux_key)
     shutil.rmtree(untrained_src, ignore_errors=True)
     pruned = prune(ckpt, settings.keep_last, {best} if best is not None else set())
 
-    summary = val_summary(df, selected, settings.ttt_steps)
+    summary = val_summary(df, selected)
     hs_record = source.record()
     outputs = {"final": args.final, "untrained": args.untrained, "metrics": args.metrics}
     if args.hs_record:
@@ -176,6 +182,7 @@ def main() -> int | None:
                selected_epoch=selected, best_epoch=best, resumed_after_epoch=resumed_after,
                training_history=training_history(ckpt), trainer_checkout=trainer_checkout,
                train_wall_s=round(train_s, 3), aux_layer_ids=inputs.aux_layer_ids,
+               draft_type=settings.draft_type, draft_parameters=parameter_count(Path(args.final)),
                draft_vocab_size=settings.draft_vocab_size, draft_vocab_coverage=vocab_coverage,
                checkpoints=pruned, trainer_argv=argv,
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},

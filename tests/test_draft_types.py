@@ -154,6 +154,12 @@ def test_speculators_trains_every_type_but_the_untrainable_for_a_llama_target(dr
             assert isinstance(result, dict), f"{name}: {result!r}"
             assert result["speculators_model_type"] == name
             assert result[t.aux_layers_key] == AUX, name
+            # What the contract checks expect of a checkpoint of this type (its class, the tokens
+            # a parallel type proposes per step at speculators' default block size / depths).
+            assert result["architectures"] == [t.architecture], name
+            if t.parallel_drafting:
+                k = result["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+                assert k == t.trained_tokens(), name
 
 
 def test_full_vocab_only_types_refuse_a_reduced_vocabulary(tiny_target, tmp_path):

@@ -429,21 +429,29 @@ RUN_PLANTS = {
 
 
 def test_every_contract_check_has_a_planted_failure():
-    planted = [*DRAFT_PLANTS, *TARGET_PLANTS, *RUN_PLANTS]
+    """Here for the EAGLE-3 draft; the parallel types' own checks in test_draft_type_chain.py."""
+    from test_draft_type_chain import PARALLEL_PLANTS
+
+    planted = [*DRAFT_PLANTS, *TARGET_PLANTS, *RUN_PLANTS, *PARALLEL_PLANTS]
     assert len(planted) == len(set(planted))
     assert set(planted) == {name for name, _ in contract_lib.CHECKS}
 
 
 def test_contract_checks_are_picked_by_draft_type():
-    """Each family declares the draft types it applies to: the pipeline's eagle3 drafts get every
-    registered check, in report order; another draft type only the checks every draft must pass."""
-    assert check_contract.DRAFT_TYPE == "eagle3"
-    assert contract_lib.checks_for("eagle3") == contract_lib.CHECKS
-    other = [name for name, _ in contract_lib.checks_for("dflash")]
+    """Each family declares the draft types it applies to: the eagle3 drafts get every registered
+    check but the parallel types'; DFlash also gets those and not the embeddings check (it stores
+    none); a type whose tensor layout is not written down (DSpark) skips weights.shapes; MTP, with
+    no aux layers and no vocab maps, only what every checkpoint has."""
+    names = {t: [name for name, _ in contract_lib.checks_for(t)] for t in ("eagle3", "dflash", "dspark", "mtp")}
+    parallel = {"parallel.speculative_tokens", "parallel.mask_token_id"}
+    assert names["eagle3"] == [name for name, _ in contract_lib.CHECKS if name not in parallel]
+    assert set(names["dflash"]) == set(names["eagle3"]) - {"embeddings.match_target"} | parallel
+    assert set(names["dspark"]) == set(names["dflash"]) - {"weights.shapes"}
     every_type = contract_lib.EVERY_DRAFT_TYPE
-    assert other == [name for name, _ in contract_lib.CHECKS if contract_lib.APPLIES_TO[name] is every_type]
-    assert {"config.present", "weights.finite", contract_lib.SERVING_RENDER} <= set(other)
-    assert not {"config.speculators_model_type", "aux_layer_ids.present", "vocab_maps"} & set(other)
+    assert {n for n in names["mtp"] if contract_lib.APPLIES_TO[n] is not every_type} == \
+        {n for n, _ in contract_lib.CHECKS if contract_lib.APPLIES_TO[n] is not every_type and "mtp" in contract_lib.APPLIES_TO[n]}
+    assert {"config.present", "config.speculators_model_type", "weights.finite", contract_lib.SERVING_RENDER} <= set(names["mtp"])
+    assert not {"aux_layer_ids.present", "vocab_maps", "weights.shapes"} & set(names["mtp"])
     with pytest.raises(ValueError, match="registered twice"):
         contract_lib.Family("again", applies_to={"eagle3"}).check("vocab_maps")(lambda ctx: None)
 

@@ -60,9 +60,26 @@ class DraftType:
     vllm_method: str | None        # vLLM's SpeculativeConfig.method for this checkpoint
     parallel_drafting: bool = False  # drafts k tokens in one pass (k is bounded by training)
     default_block_size: int | None = None  # speculators' default --block-size (DFlash family)
+    samples_from_anchor: bool = False  # speculators' default sample_from_anchor (DSpark: the anchor drafts too)
     full_vocab_only: bool = False  # speculators refuses a reduced draft vocabulary
+    architecture: str = ""         # the model class speculators saves in config.json `architectures`
+    # Decoder layer model_types vLLM's loader maps to a draft model of this type (None: any,
+    # the type builds its own architecture from the layer config).
+    vllm_layer_types: tuple[str, ...] | None = None
     untrainable: Refusal | None = None  # speculators cannot train it for a Llama target
     unservable: dict[str, Refusal] = field(default_factory=dict)  # accelerator -> refusal
+
+    def trained_tokens(self, block_size: int | None = None, num_depths: int | None = None) -> int | None:
+        """Tokens a draft of this type proposes per step as trained, what speculators writes to
+        proposal_methods[0].speculative_tokens: P-EAGLE's depths (default 8), a block type's
+        block size less the anchor unless it samples from the anchor (models/dflash/core.py).
+        None for EAGLE-3, which runs autoregressively for any k."""
+        if self.name == "peagle":
+            return num_depths or 8
+        if self.default_block_size is not None:
+            block = block_size or self.default_block_size
+            return block if self.samples_from_anchor else block - 1
+        return None
 
     def servable_on(self, accelerator: str) -> bool:
         return accelerator not in self.unservable
@@ -80,25 +97,26 @@ class DraftType:
 
 
 DRAFT_TYPES: dict[str, DraftType] = {t.name: t for t in (
-    DraftType("eagle3", "EAGLE-3", AUX_AND_FINAL, "eagle_aux_hidden_state_layer_ids", "eagle3"),
+    DraftType("eagle3", "EAGLE-3", AUX_AND_FINAL, "eagle_aux_hidden_state_layer_ids", "eagle3",
+              architecture="Eagle3DraftModel", vllm_layer_types=("llama", "qwen3")),
     DraftType("peagle", "P-EAGLE", AUX_AND_FINAL, "eagle_aux_hidden_state_layer_ids", "eagle3",
-              parallel_drafting=True),
+              parallel_drafting=True, architecture="PEagleDraftModel", vllm_layer_types=("llama", "qwen3")),
     DraftType("dflash", "DFlash", AUX_AND_FINAL, "aux_hidden_state_layer_ids", "dflash",
-              parallel_drafting=True, default_block_size=16),
+              parallel_drafting=True, default_block_size=16, architecture="DFlashDraftModel"),
     DraftType("dflash2", "DFlash2", AUX_AND_FINAL, "aux_hidden_state_layer_ids", "dflash",
-              parallel_drafting=True, default_block_size=8, full_vocab_only=True,
+              parallel_drafting=True, default_block_size=8, full_vocab_only=True, architecture="DFlash2DraftModel",
               # cuda: served by vLLM's code (its V2 model runner); not yet run on a GPU.
               unservable={"cpu": Refusal(_V1_ONLY_ON_CPU,
                                          "Model Runner V1 does not support: DFlash candidate-head drafts")}),
     DraftType("dspark", "DSpark", AUX_AND_FINAL, "aux_hidden_state_layer_ids", "dspark",
-              parallel_drafting=True, default_block_size=8,
+              parallel_drafting=True, default_block_size=8, samples_from_anchor=True, architecture="DSparkDraftModel",
               # cuda: as DFlash2.
               unservable={"cpu": Refusal(_V1_ONLY_ON_CPU,
                                          "Model Runner V1 does not support: dspark speculative decoding")}),
     DraftType("xpress", "XPress", AUX_AND_FINAL, "aux_hidden_state_layer_ids", None,
-              parallel_drafting=True, default_block_size=16,
+              parallel_drafting=True, default_block_size=16, architecture="XPressDraftModel",
               unservable={acc: _not_read_by_vllm("xpress", ", and no speculative method runs XPress") for acc in ACCELERATORS}),
-    DraftType("mtp", "MTP", FINAL_ONLY, None, None,
+    DraftType("mtp", "MTP", FINAL_ONLY, None, None, architecture="MTPDraftModel",
               untrainable=Refusal(
                   "speculators trains MTP only by extracting the native MTP layers of a Qwen3-family "
                   "target (qwen3, qwen3_next, qwen3_5); a Llama target has none",
@@ -133,3 +151,58 @@ def refuse_unservable(name: str, accelerator: str = "cpu", setting: str = "train
             f"{refusal.reason} (vLLM: \"{refusal.engine_error}\"). Types it serves there: "
             f"{', '.join(servable(accelerator))}")
     return draft_type
+
+
+def verify_accelerator(config: dict) -> str:
+    """Where the verify stage (load check, acceptance) runs: resources.verify.gpu, else the
+    default's; GPUs > 0 means CUDA."""
+    resources = config.get("resources") or {}
+    gpus = {**(resources.get("default") or {}), **(resources.get("verify") or {})}.get("gpu", 0)
+    return "cuda" if gpus else "cpu"
+
+
+def check_variant(cfg: dict, variant: str, accelerator: str) -> DraftType:
+    """Plan time: refuse a variant whose draft type the chain cannot train, serve or measure,
+    naming the setting, before anything runs. `cfg` is the variant's merged config."""
+    setting = f"variants.{variant}.train.draft_type"
+    draft_type = get(cfg["train"].get("draft_type", "eagle3"), setting)
+    if draft_type.untrainable is not None:
+        raise PipelineError(f"{setting}: {draft_type.name!r} ({draft_type.title}): {draft_type.untrainable.reason} "
+                            f"(speculators: \"{draft_type.untrainable.engine_error}\"). Types this pipeline "
+                            f"trains and serves on {accelerator}: {', '.join(servable(accelerator))}")
+    refuse_unservable(draft_type.name, accelerator, setting)
+    if draft_type.name != "eagle3" and cfg["verify"].get("backend") == "transformers":
+        raise PipelineError(f"{setting}: {draft_type.name!r}: verify.backend transformers measures EAGLE-3 "
+                            f"drafts only (pipeline_lib/acceptance/draft.py); set verify.backend: vllm")
+    trained = draft_type.trained_tokens(cfg["train"].get("block_size"), cfg["train"].get("num_depths"))
+    k = cfg["verify"].get("num_speculative_tokens")
+    if trained is not None and isinstance(k, int) and k > trained:
+        knob = "num_depths" if draft_type.name == "peagle" else "block_size"
+        raise PipelineError(f"{setting}: a {draft_type.title} draft proposes {trained} tokens per step as "
+                            f"trained (train.{knob}), but verify.num_speculative_tokens = {k}: vLLM would run "
+                            f"it without complaint and draft the positions it never learnt. Lower "
+                            f"verify.num_speculative_tokens to <= {trained} or raise train.{knob}")
+    return draft_type
+
+
+def of_checkpoint(draft_dir) -> DraftType:
+    """The type a speculators checkpoint says it is (config.json speculators_model_type), the
+    way vLLM's loader decides how to run it."""
+    import json
+    from pathlib import Path
+
+    path = Path(draft_dir) / "config.json"
+    try:
+        seen = json.loads(path.read_text()).get("speculators_model_type")
+    except (OSError, ValueError) as err:
+        raise PipelineError(f"{path}: unreadable ({err}); a draft dir is a speculators checkpoint "
+                            f"(drafts/<variant>/final or untrained)") from None
+    if seen not in DRAFT_TYPES:
+        raise PipelineError(f"{path}: speculators_model_type = {seen!r} is no speculators draft type "
+                            f"({', '.join(DRAFT_TYPES)})")
+    return DRAFT_TYPES[seen]
+
+
+def speculative_config_for(draft_dir, num_speculative_tokens: int) -> dict:
+    """vLLM's speculative_config for the draft in `draft_dir`, by its own type."""
+    return of_checkpoint(draft_dir).speculative_config(str(draft_dir), num_speculative_tokens)

@@ -27,7 +27,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import draft_types
 from .errors import PipelineError
+from .training.settings import check_type_settings
 
 VARIANT_SECTIONS = ("generation", "tokenize", "hidden_states", "train")
 # Shared by every variant: one target, one prompt set, one measurement, one plan.
@@ -175,3 +177,11 @@ def check_variants(config: dict, schema: dict) -> None:
             where = ".".join(str(p) for p in error.absolute_path)
             raise PipelineError(f"variants.{name}: {where}: {error.message} (a variant overrides keys of "
                                 f"{', '.join(VARIANT_SECTIONS)}; see schemas/config.schema.yaml)")
+    accelerator = draft_types.verify_accelerator(config)
+    for name in sorted(config["variants"]):
+        cfg = variant_config(config, name)
+        try:
+            check_type_settings({"draft_type": "eagle3", **cfg["train"]})
+        except PipelineError as err:
+            raise PipelineError(f"variants.{name}: {err}") from None
+        draft_types.check_variant(cfg, name, accelerator)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..draft_types import speculative_config_for
 from .inputs import EvalPrompt, MeasureSpec, answer_room
 from .records import BackendFailure, RequestRecord, RunResult, acceptance_block, register
 from .speedup import run_rounds
@@ -277,8 +278,8 @@ def run_engine_job(job: dict) -> dict:
         # CPU: eager starts in ~15 s instead of ~60 s; GPU: CUDA graphs, as in production.
         enforce_eager=not has_cuda())
     if job["draft"]:
-        kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"],
-                                        "num_speculative_tokens": job["num_speculative_tokens"]}
+        # The method the draft's own type runs as (eagle3, P-EAGLE's parallel eagle3, dflash, ...).
+        kwargs["speculative_config"] = speculative_config_for(job["draft"], job["num_speculative_tokens"])
         if _engine_accepts("per_request_spec_decode_metrics"):  # not in vLLM 0.26: global counters only
             kwargs["per_request_spec_decode_metrics"] = "detailed"
     if job["serve"] and has_cuda():  # the speedup's two engines share the GPU: each its half (vLLM's default 0.9)

@@ -4,7 +4,7 @@ A check is a function of the Context (the draft, the target and what the earlier
 recorded) that returns a Check (expected vs seen) or raises NotRun when something it needs is
 missing or failed earlier. Checks are grouped in families (one module each); a family says
 which draft types its checks apply to, since the contract differs between draft types
-(`speculators_model_type`: eagle3 now; others later), and a single check may widen that to
+(`speculators_model_type`: eagle3, peagle, dflash, ...; the variant's train.draft_type), and a single check may widen that to
 every draft type for what every checkpoint has. The registry keeps the report order: the order
 the family modules are imported in (contract/__init__.py), then the order within each module."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .. import draft_types
 from ..errors import PipelineError
 from ..target import text_config
 
@@ -88,6 +89,11 @@ class Context:
     _weights_error: str | None = None
 
     @property
+    def draft_type(self) -> str:
+        """The type the draft must be: the variant's train.draft_type."""
+        return self.settings.get("draft_type", "eagle3")
+
+    @property
     def tc(self) -> dict:
         return text_config(self.target_config)
 
@@ -96,14 +102,20 @@ class Context:
             raise NotRun(f"draft config.json unusable ({self.config_error})")
         return self.draft_config
 
-    def eagle3_config(self) -> dict:
+    def typed_config(self) -> dict:
+        """The draft's config, once it is of the variant's draft type (the type-specific checks
+        read it; a draft of another type fails config.speculators_model_type instead)."""
         cfg = self.config()
-        if cfg.get("speculators_model_type") != "eagle3":
-            raise NotRun("the draft is not an EAGLE-3 speculator (see config.speculators_model_type)")
+        if cfg.get("speculators_model_type") != self.draft_type:
+            raise NotRun(f"the draft is not a {self.draft_type!r} speculator (see config.speculators_model_type)")
         return cfg
 
+    def aux_layer_ids(self) -> Any:
+        """The aux layer ids, under the key the draft type stores them (draft_types.py)."""
+        return self.typed_config().get(draft_types.get(self.draft_type).aux_layers_key)
+
     def layer_config(self) -> dict:
-        tl = self.eagle3_config().get("transformer_layer_config")
+        tl = self.typed_config().get("transformer_layer_config")
         if not isinstance(tl, dict):
             raise NotRun("transformer_layer_config missing (see config.transformer_layer_config)")
         return tl

@@ -1,20 +1,21 @@
-"""The draft's config.json is what vLLM's speculators loader reads for an EAGLE-3 speculator:
-type, architectures, version, proposal method, verifier path and architectures, layer config,
-draft vocabulary size."""
+"""The draft's config.json is what vLLM's speculators loader reads for a speculator of the
+variant's draft type: type, architectures, version, proposal method, verifier path and
+architectures, layer config, draft vocabulary size. Every field is common to speculators'
+checkpoints; what differs by type (the architecture name, the decoder layers vLLM maps) comes
+from the draft-type registry."""
 from __future__ import annotations
 
 import importlib.metadata
 import os
 
+from .. import draft_types
 from .base import Check, Context, Family
 
-FAMILY = Family("config", applies_to={"eagle3"})
+FAMILY = Family("config", applies_to=None)
 
-# Names speculators gives EAGLE-3 checkpoints (the config default, and what save_pretrained
-# writes from the model class); vLLM itself keys on speculators_model_type.
-EAGLE3_ARCHITECTURES = {"Eagle3Speculator", "Eagle3DraftModel"}
-# Decoder-layer types vLLM's speculators loader maps to an Eagle3 model (algos.update_eagle3).
-VLLM_EAGLE3_LAYER_TYPES = {"llama", "qwen3"}
+# An older name speculators gave EAGLE-3 checkpoints (the config default); vLLM keys on
+# speculators_model_type, so it still loads.
+LEGACY_ARCHITECTURES = {"eagle3": {"Eagle3Speculator"}}
 
 
 @FAMILY.check("config.present", every_draft_type=True)
@@ -29,26 +30,28 @@ def check_config_present(ctx: Context) -> Check:
 @FAMILY.check("config.speculators_model_type")
 def check_model_type(ctx: Context) -> Check:
     seen = ctx.config().get("speculators_model_type")
-    ok = seen == "eagle3"
+    expected = ctx.draft_type
+    ok = seen == expected
     detail = "" if ok else (
         "no speculators_model_type: this is not a speculators checkpoint (vLLM would load it as a plain model)"
         if seen is None else
-        f"this is a {seen!r} speculator; this pipeline builds and verifies EAGLE-3 drafts "
-        f"(vLLM method 'eagle3'). Point the draft at an EAGLE-3 checkpoint.")
-    return Check("config.speculators_model_type", ok, "eagle3", seen, detail)
+        f"this is a {seen!r} speculator, but the variant's train.draft_type is {expected!r}: vLLM would run it "
+        f"as what it says it is. Point the draft at a {expected!r} checkpoint, or set train.draft_type: {seen}")
+    return Check("config.speculators_model_type", ok, expected, seen, detail)
 
 
 @FAMILY.check("config.architectures")
 def check_architectures(ctx: Context) -> Check:
-    seen = ctx.eagle3_config().get("architectures")
-    ok = isinstance(seen, list) and len(seen) == 1 and seen[0] in EAGLE3_ARCHITECTURES
-    return Check("config.architectures", ok, sorted(EAGLE3_ARCHITECTURES), seen,
-                 "" if ok else "architectures must name speculators' EAGLE-3 model class")
+    seen = ctx.typed_config().get("architectures")
+    expected = {draft_types.get(ctx.draft_type).architecture, *LEGACY_ARCHITECTURES.get(ctx.draft_type, ())}
+    ok = isinstance(seen, list) and len(seen) == 1 and seen[0] in expected
+    return Check("config.architectures", ok, sorted(expected), seen,
+                 "" if ok else f"architectures must name speculators' {ctx.draft_type} model class")
 
 
 @FAMILY.check("config.speculators_version")
 def check_version(ctx: Context) -> Check:
-    seen = ctx.eagle3_config().get("speculators_version")
+    seen = ctx.typed_config().get("speculators_version")
     try:
         installed = importlib.metadata.version("speculators")
     except importlib.metadata.PackageNotFoundError:
@@ -62,7 +65,7 @@ def check_version(ctx: Context) -> Check:
 
 @FAMILY.check("config.proposal_methods")
 def check_proposal(ctx: Context) -> Check:
-    spec = ctx.eagle3_config().get("speculators_config") or {}
+    spec = ctx.typed_config().get("speculators_config") or {}
     methods = spec.get("proposal_methods")
     seen = methods[0].get("speculative_tokens") if isinstance(methods, list) and methods and isinstance(methods[0], dict) else None
     ok = isinstance(seen, int) and seen >= 1
@@ -72,7 +75,7 @@ def check_proposal(ctx: Context) -> Check:
 
 
 def _verifier(ctx: Context) -> dict:
-    return (ctx.eagle3_config().get("speculators_config") or {}).get("verifier") or {}
+    return (ctx.typed_config().get("speculators_config") or {}).get("verifier") or {}
 
 
 @FAMILY.check("config.verifier_path")
@@ -106,17 +109,18 @@ def check_layer_config(ctx: Context) -> Check:
     tl = ctx.layer_config()
     tc = ctx.tc
     heads = tc.get("num_attention_heads")
-    expected = {"model_type": sorted(VLLM_EAGLE3_LAYER_TYPES), "hidden_size": tc.get("hidden_size"),
+    layer_types = draft_types.get(ctx.draft_type).vllm_layer_types
+    expected = {"model_type": sorted(layer_types) if layer_types else "any", "hidden_size": tc.get("hidden_size"),
                 "vocab_size": tc.get("vocab_size"), "num_attention_heads": heads,
                 "num_key_value_heads": tc.get("num_key_value_heads", heads)}
     seen = {"model_type": tl.get("model_type"), "hidden_size": tl.get("hidden_size"),
             "vocab_size": tl.get("vocab_size"), "num_attention_heads": tl.get("num_attention_heads"),
             "num_key_value_heads": tl.get("num_key_value_heads", tl.get("num_attention_heads"))}
     problems = []
-    if seen["model_type"] not in VLLM_EAGLE3_LAYER_TYPES:
-        problems.append(f"model_type {seen['model_type']!r} has no vLLM EAGLE-3 model "
-                        f"(supported: {sorted(VLLM_EAGLE3_LAYER_TYPES)})")
-    target_hidden = ctx.eagle3_config().get("target_hidden_size") or seen["hidden_size"]
+    if layer_types and seen["model_type"] not in layer_types:
+        problems.append(f"model_type {seen['model_type']!r} has no vLLM {ctx.draft_type} model "
+                        f"(supported: {sorted(layer_types)})")
+    target_hidden = ctx.typed_config().get("target_hidden_size") or seen["hidden_size"]
     if target_hidden != expected["hidden_size"]:
         problems.append(f"target hidden size {target_hidden} != the target's {expected['hidden_size']}")
     if seen["hidden_size"] != expected["hidden_size"]:
@@ -130,7 +134,7 @@ def check_layer_config(ctx: Context) -> Check:
 
 @FAMILY.check("config.draft_vocab_size")
 def check_draft_vocab(ctx: Context) -> Check:
-    seen = ctx.eagle3_config().get("draft_vocab_size")
+    seen = ctx.typed_config().get("draft_vocab_size")
     vocab = ctx.tc.get("vocab_size")
     ok = isinstance(seen, int) and 1 <= seen <= (vocab or 0)
     return Check("config.draft_vocab_size", ok, f"1..{vocab} (target vocab)", seen,

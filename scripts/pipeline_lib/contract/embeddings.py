@@ -6,6 +6,8 @@ from pathlib import Path
 
 from .base import Check, Context, Family, NotRun, safetensors_files
 
+# EAGLE-3 keeps the target's embeddings frozen. P-EAGLE trains its own (embed_requires_grad),
+# and the DFlash family stores none (vLLM shares the target's): nothing to compare.
 FAMILY = Family("embeddings", applies_to={"eagle3"})
 
 # Where a target keeps its input embeddings (plain, and nested multimodal layouts).

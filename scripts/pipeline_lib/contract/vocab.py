@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from .base import Check, Context, Family
 
-FAMILY = Family("vocab_maps", applies_to={"eagle3"})
+# Every type with a reduced draft vocabulary stores the same d2t/t2d maps (MTP has none).
+FAMILY = Family("vocab_maps", applies_to={"eagle3", "peagle", "dflash", "dflash2", "dspark", "xpress"})
 
 
 @FAMILY.check("vocab_maps")
 def check_vocab_maps(ctx: Context) -> Check:
     import torch
 
-    cfg, tl = ctx.eagle3_config(), ctx.layer_config()
+    cfg, tl = ctx.typed_config(), ctx.layer_config()
     w = ctx.weights()
     V, dvs = tl.get("vocab_size"), cfg.get("draft_vocab_size")
     if dvs == V and "d2t" not in w.shapes:

@@ -1,14 +1,21 @@
-"""The draft's tensors: readable, the shapes its EAGLE-3 config implies, finite."""
+"""The draft's tensors: readable, the shapes its config implies (per draft type), finite."""
 from __future__ import annotations
 
 from .base import Check, Context, Family, NotRun
 
-FAMILY = Family("weights", applies_to={"eagle3"})
+# The types whose tensor layout is written down here (measured on speculators 0.9.0
+# checkpoints); the others get the checks every checkpoint passes (readable, finite).
+FAMILY = Family("weights", applies_to={"eagle3", "peagle", "dflash"})
 
 
 def expected_shapes(ctx: Context) -> tuple[dict[str, list[int]], set[str]]:
-    """(required name -> shape, optional names) for an EAGLE-3 checkpoint, from its own config."""
-    cfg, tl = ctx.eagle3_config(), ctx.layer_config()
+    """(required name -> shape, optional names) for a checkpoint of the variant's draft type,
+    from its own config. EAGLE-3 and P-EAGLE: a decoder whose first layer reads [embedding,
+    fused hidden state] (2H wide), P-EAGLE adds the learnt mask_hidden its parallel positions
+    start from. DFlash: the fused context feeds every layer's keys (H wide), one top-level
+    hidden_norm, no embed_tokens (vLLM shares the target's)."""
+    cfg, tl = ctx.typed_config(), ctx.layer_config()
+    kind = ctx.draft_type
     H = tl["hidden_size"]
     heads = tl["num_attention_heads"]
     kv = tl.get("num_key_value_heads") or heads
@@ -16,11 +23,17 @@ def expected_shapes(ctx: Context) -> tuple[dict[str, list[int]], set[str]]:
     inter = tl["intermediate_size"]
     V = tl["vocab_size"]
     dvs = cfg.get("draft_vocab_size") or V
-    n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    n_aux = len(ctx.aux_layer_ids() or [0, 0, 0])
     th = cfg.get("target_hidden_size") or H
-    shapes = {"fc.weight": [H, n_aux * th], "lm_head.weight": [dvs, H], "norm.weight": [H],
-              "embed_tokens.weight": [V, H]}
-    optional = {"embed_tokens.weight"}  # vLLM shares the target's when absent
+    shapes = {"fc.weight": [H, n_aux * th], "lm_head.weight": [dvs, H], "norm.weight": [H]}
+    optional = set()
+    if kind != "dflash":
+        shapes["embed_tokens.weight"] = [V, H]
+        optional.add("embed_tokens.weight")  # vLLM shares the target's when absent
+    else:
+        shapes["hidden_norm.weight"] = [H]
+    if kind == "peagle":
+        shapes["mask_hidden"] = [1, 1, n_aux * th]
     if dvs != V:
         shapes.update({"d2t": [dvs], "t2d": [V]})
     if cfg.get("norm_before_fc"):
@@ -29,14 +42,14 @@ def expected_shapes(ctx: Context) -> tuple[dict[str, list[int]], set[str]]:
         shapes.update({f"fc_norm.{j}.weight": [th] for j in range(n_aux)})
     for i in range(tl.get("num_hidden_layers", 1)):
         p = f"layers.{i}."
-        width = 2 * H if i == 0 else H
+        width = 2 * H if i == 0 and kind != "dflash" else H
         shapes.update({
             p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
             p + "self_attn.q_proj.weight": [heads * hd, width], p + "self_attn.k_proj.weight": [kv * hd, width],
             p + "self_attn.v_proj.weight": [kv * hd, width], p + "self_attn.o_proj.weight": [H, heads * hd],
             p + "mlp.gate_proj.weight": [inter, H], p + "mlp.up_proj.weight": [inter, H],
             p + "mlp.down_proj.weight": [H, inter]})
-        if i == 0:
+        if i == 0 and kind != "dflash":
             shapes[p + "hidden_norm.weight"] = [H]
         if tl.get("attention_bias"):
             shapes.update({p + "self_attn.q_proj.bias": [heads * hd], p + "self_attn.k_proj.bias": [kv * hd],

@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from .. import draft_types
 from ..errors import PipelineError
 from ..render import Section, Table, fmt
 
@@ -62,6 +63,14 @@ def training_summary(rows: list[dict], provenance: list[dict]) -> dict[str, Any]
     out["selection"] = select
     out["hidden_states"] = train_prov.get("hidden_states")  # mode, storage, transfer
     out["draft_vocab_coverage"] = train_prov.get("draft_vocab_coverage")
+    settings = train_prov.get("settings") if isinstance(train_prov.get("settings"), dict) else {}
+    # What the comparison of draft types reads: the type, its size and what training cost.
+    out["draft_type"] = train_prov.get("draft_type") or settings.get("draft_type", "eagle3")
+    out["draft_parameters"] = train_prov.get("draft_parameters")
+    # Training time over every epoch, from train_metrics.csv (speculators' own step timer: data,
+    # forward, backward, optimizer), so a run that resumed still counts the epochs it kept.
+    step_s = [r["step_s"] for r in by_split.get("train", []) if isinstance(r.get("step_s"), float)]
+    out["train_step_s"] = round(sum(step_s), 3) if step_s else None
     sel_row = next((r for r in val if r["epoch"] == selected), None)
     out["selected_val"] = {k: sel_row.get(k) for k in ["loss", *accs]} if sel_row else None
     # What the draft was trained on: the traces' conversation and turn counts.
@@ -105,8 +114,13 @@ def sections(result: dict) -> list[Section]:
     trows = [[split, tr[split]["last_epoch"], *[fmt(tr[split]["final"].get(k)) for k in ["loss", *accs]]]
              for split in tr.get("splits", [])]
     subset = bool((tr.get("training_data") or {}).get("subset"))
+    params = tr.get("draft_parameters") or {}
+    kind = (f"A {draft_types.get(tr['draft_type']).title} draft (train.draft_type: {tr['draft_type']})"
+            + (f" of {params['without_embeddings']:,} parameters without embeddings" if params else "")
+            + (f", {tr['train_step_s']:.1f} s of training steps" if tr.get("train_step_s") is not None else "") + "; "
+            if tr.get("draft_type") in draft_types.DRAFT_TYPES else "")
     return [Section("Training", [
-        f"{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
+        f"{kind}{tr.get('epochs')} epoch(s); final/ is the {tr.get('selection')} epoch ({tr.get('selected_epoch')}): "
         f"validation {fmt(tr.get('selected_val'))}. {data_sentence(tr.get('data') or {}, subset)} "
         f"{subset_sentence(tr.get('training_data'))}".rstrip()
         + coverage_sentence(tr.get("draft_vocab_coverage"))

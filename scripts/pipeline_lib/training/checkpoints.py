@@ -72,8 +72,11 @@ def trajectory_fingerprint(settings: TrainSettings, inputs: TrainingInputs,
     `epochs`, included), the inputs' digests, how the hidden states are stored and served
     (`source`: the training source's fingerprint) and the trainer version."""
     chosen = {k: v for k, v in settings.as_dict().items() if k not in NOT_IN_FINGERPRINT}
-    if chosen["max_conversations"] is None:  # all rows: as before the key existed, so those checkpoints resume
-        del chosen["max_conversations"]
+    # Keys added later, at their defaults, are left out: checkpoints made before they existed resume.
+    for key, default in (("max_conversations", None), ("draft_type", "eagle3"), ("block_size", None),
+                         ("num_depths", None), ("max_anchors", None)):
+        if chosen[key] == default:
+            del chosen[key]
     return {**chosen,
             "target_digest": inputs.target_digest, "data_digest": inputs.data_digest,
             "rows": inputs.rows, "aux_layer_ids": inputs.aux_layer_ids,

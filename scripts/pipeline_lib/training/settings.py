@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import cli
+from .. import cli, draft_types
 from ..errors import PipelineError
 
 SECTION = "train"
@@ -29,9 +29,14 @@ class TrainSettings:
     num_workers: int
     extend_epochs: bool = False
     max_conversations: int | None = None   # None: all of the run's training conversations
+    draft_type: str = "eagle3"             # speculators' --speculator-type (pipeline_lib/draft_types.py)
+    block_size: int | None = None          # DFlash family / XPress: queries per anchor (None: the type's default)
+    num_depths: int | None = None          # P-EAGLE: parallel prediction depths (None: speculators' 8)
+    max_anchors: int | None = None         # parallel types: anchor positions per sequence (None: 512)
 
-    OPTIONAL = {"extend_epochs": False, "max_conversations": None}
-    CHOICES = {"optimizer": ("adamw", "muon"), "scheduler": ("linear", "cosine", "none"),
+    OPTIONAL = {"extend_epochs": False, "max_conversations": None, "draft_type": "eagle3", "block_size": None,
+                "num_depths": None, "max_anchors": None}
+    CHOICES = {"draft_type": tuple(draft_types.DRAFT_TYPES), "optimizer": ("adamw", "muon"), "scheduler": ("linear", "cosine", "none"),
                "attn_impl": ("sdpa", "simple_flex_attention", "eager"),
                "loss_impl": ("eager", "fused"), "select": ("best", "last")}
     MINIMA = {"draft_layers": 1, "draft_vocab_size": 2, "ttt_steps": 1, "epochs": 1,
@@ -63,6 +68,7 @@ class TrainSettings:
             raise PipelineError(
                 f"setting {SECTION}.train_data_ratio = {values['train_data_ratio']}: speculators "
                 f"validates on the last rows, so it must be strictly between 0 and 1 (e.g. 0.9)")
+        check_type_settings(values)
         unknown = sorted(set(raw) - set(values))
         if unknown:
             raise PipelineError(f"unknown {SECTION} setting(s) {unknown}; see config.yaml for the valid keys")
@@ -70,6 +76,39 @@ class TrainSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def type(self) -> draft_types.DraftType:
+        return draft_types.get(self.draft_type)
+
+    @property
+    def speculative_tokens(self) -> int | None:
+        """How many tokens a draft of this type is trained to propose per step, for the
+        parallel types (vLLM asked for more runs them silently wrong); None for EAGLE-3, whose
+        draft runs autoregressively for any k."""
+        return self.type.trained_tokens(block_size=self.block_size, num_depths=self.num_depths)
+
+
+# The type-specific settings and the draft types that take them (speculators' flag groups).
+TYPE_SETTINGS = {
+    "block_size": lambda t: t.default_block_size is not None,
+    "num_depths": lambda t: t.name == "peagle",
+    "max_anchors": lambda t: t.parallel_drafting,
+}
+
+
+def check_type_settings(values: dict[str, Any]) -> None:
+    """A type-specific setting given for a type that does not take it is an error (speculators
+    would ignore it silently); so is a type speculators cannot train for this kind of target."""
+    draft_type = draft_types.get(values["draft_type"], f"{SECTION}.draft_type")
+    for key, applies in TYPE_SETTINGS.items():
+        if values.get(key) is not None:
+            if not applies(draft_type):
+                takers = [t.name for t in draft_types.DRAFT_TYPES.values() if applies(t)]
+                raise PipelineError(f"setting {SECTION}.{key} = {values[key]}: only draft types "
+                                    f"{', '.join(takers)} take it, not {draft_type.name!r}; remove it")
+            if values[key] < 1:
+                raise PipelineError(f"setting {SECTION}.{key} = {values[key]}: must be >= 1")
 
 
 def check_device_settings(settings: TrainSettings, on_cpu: bool) -> None:

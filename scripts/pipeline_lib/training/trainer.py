@@ -1,4 +1,4 @@
-"""speculators' EAGLE-3 trainer, run in this process or as one torchrun worker per process:
+"""speculators' trainer (any draft type it trains), run in this process or as one torchrun worker per process:
 its flags, the capture of its metrics, and the untrained baseline (its --dry-run)."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def trainer_argv(settings: TrainSettings, inputs: TrainingInputs, target: Path, 
     the hidden-states data flags (the source's serving() gives those)."""
     s = settings
     return [
-        "--speculator-type", "eagle3",
+        "--speculator-type", s.draft_type,
         "--verifier-name-or-path", str(target.resolve()),
         "--data-path", str(data.resolve()),
         "--save-path", str(ckpt.resolve()),
@@ -36,7 +36,7 @@ def trainer_argv(settings: TrainSettings, inputs: TrainingInputs, target: Path, 
         "--draft-vocab-size", str(s.draft_vocab_size),
         "--d2t-path", str(d2t.resolve()), "--t2d-path", str(t2d.resolve()),
         "--num-layers", str(s.draft_layers),
-        "--ttt-steps", str(s.ttt_steps),
+        *type_flags(s),
         "--epochs", str(s.epochs),
         "--lr", repr(s.lr),
         "--optimizer", s.optimizer,
@@ -54,6 +54,17 @@ def trainer_argv(settings: TrainSettings, inputs: TrainingInputs, target: Path, 
         # How the hidden states are read (transfer backend, --on-missing, a server endpoint)
         # is added by the hidden-states source while it serves them.
     ]
+
+
+def type_flags(s: TrainSettings) -> list[str]:
+    """The flags of the draft type's own group (speculators ignores another type's flags
+    silently, so only the type's are passed): EAGLE-3's ttt steps; the block size, depths and
+    anchors of the parallel types, where set (unset: speculators' per-type default)."""
+    flags = ["--ttt-steps", str(s.ttt_steps)] if s.draft_type == "eagle3" else []
+    for key in ("block_size", "num_depths", "max_anchors"):
+        if getattr(s, key) is not None:
+            flags += ["--" + key.replace("_", "-"), str(getattr(s, key))]
+    return flags
 
 
 class EpochMetricsRecorder(logging.Handler):
