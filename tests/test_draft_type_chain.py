@@ -17,6 +17,8 @@ from conftest import base_test_config, run_snakemake
 from pipeline_lib import contract as contract_lib
 from pipeline_lib import draft_types
 from pipeline_lib.errors import PipelineError
+from pipeline_lib.render import render_markdown
+from pipeline_lib.report import type_ranking
 from pipeline_lib.stages import check_variants
 from pipeline_lib.training.settings import TrainSettings
 from pipeline_lib.training.trainer import type_flags
@@ -110,9 +112,33 @@ def test_comparison_ranks_the_types_per_suite(chain):
     assert int(rows["dflash"]["draft_parameters"]) < int(rows["default"]["draft_parameters"])  # no embeddings, no 2H layer
 
 
-def test_a_single_type_gets_no_type_ranking(tmp_path):
-    from pipeline_lib.report import type_ranking
+def _report(variant, kind, accepted, c1=None):
+    """A verification.json with 20 MT-Bench requests, each 10 drafts and `accepted` tokens."""
+    requests = [{"id": f"q{i}", "suite": "eval", "num_drafts": 10, "num_accepted_tokens": accepted + (i % 2)}
+                for i in range(20)]
+    tau = 1 + (accepted + 0.5) / 10
+    return {"variant": variant, "training": {"draft_type": kind, "draft_parameters": {"total": 2, "without_embeddings": 1}},
+            "suites": {"trained": {"figures": {"eval": {"mean_acceptance_length": tau, "interval": [tau - 0.1, tau + 0.1]}}},
+                       "labels": {"eval": "MT-Bench"}, "bootstrap": {"samples": 200, "seed": 0}},
+            "acceptance": {"requests": {"trained": requests},
+                           "throughput": {"concurrency_1": {"speedup": c1, "interval": [c1 - 0.1, c1 + 0.1]} if c1 else
+                                          {"speedup": None, "reason": "rounds disagree"}}}}
 
+
+def test_ranking_orders_by_tau_against_eagle3_and_by_speedup():
+    reports = [_report("dflash", "dflash", 9, c1=1.5), _report("base", "eagle3", 5, c1=1.2),
+               _report("peagle", "peagle", 5)]
+    ranked = type_ranking.rankings(reports)["eval"]
+    assert [r["variant"] for r in ranked] == ["dflash", "base", "peagle"]
+    assert ranked[0]["vs_reference"]["difference"] == pytest.approx(0.4) and ranked[0]["vs_reference"]["differs"]
+    assert ranked[1]["vs_reference"] is None  # the EAGLE-3 variant is the reference, wherever it ranks
+    assert ranked[2]["vs_above"]["difference"] == 0 and not ranked[2]["vs_above"]["differs"]
+    assert [c["variant"] for c in type_ranking.cost_rows(reports)] == ["dflash", "base", "peagle"]
+    text = render_markdown(type_ranking.sections(reports), "x.html")
+    assert "+0.400 [+0.400, +0.400] *" in text and "not measured (rounds disagree)" in text
+
+
+def test_a_single_type_gets_no_type_ranking(tmp_path):
     reports = [{"variant": "a", "training": {"draft_type": "eagle3"}}, {"variant": "b", "training": {}}]
     assert type_ranking.sections(reports) == []
 

@@ -69,18 +69,22 @@ def cost_rows(reports: list[dict]) -> list[dict[str, Any]]:
     for r in reports:
         t = get_in(r, "acceptance", "throughput") or {}
         params = get_in(r, "training", "draft_parameters") or {}
-        out.append({"variant": r["variant"], "type": draft_type(r),
+        c1 = (t.get("concurrency_1") or {}).get("speedup")
+        out.append({"variant": r["variant"], "type": draft_type(r), "speedup_c1_value": c1,
                     "parameters": params.get("without_embeddings"), "parameters_total": params.get("total"),
                     "train_step_s": get_in(r, "training", "train_step_s"),
                     "speedup_concurrency_1": speedup_text(t.get("concurrency_1")) if t else "n/a",
                     "speedup_batch": speedup_text(t.get("batch")) if t else "n/a"})
-    return out
+    # Ranked by the measured speedup at concurrency 1 (what a user of one stream gets); a
+    # speedup not measured (rounds that disagree, ...) ranks last.
+    return sorted(out, key=lambda c: (c["speedup_c1_value"] is None, -(c["speedup_c1_value"] or 0)))
 
 
 def sections(reports: list[dict]) -> list[Section]:
     if not compared(reports):
         return []
     reference = next((r["variant"] for r in reports if draft_type(r) == "eagle3"), reports[0]["variant"])
+    ref_type = draft_type(next(r for r in reports if r["variant"] == reference))
     tables = []
     for suite, rows in rankings(reports).items():
         label = rows[0]["label"] if rows else suite
@@ -101,9 +105,13 @@ def sections(reports: list[dict]) -> list[Section]:
         f"The variants train {len({draft_type(r) for r in reports})} draft types on the same traces, tokens and "
         f"hidden states and are measured by the same acceptance job in vLLM on the same prompts. Per eval suite, "
         f"the variants ranked by mean acceptance length (tau) with its 95% bootstrap interval, the paired "
-        f"bootstrap difference against {reference} (the EAGLE-3 reference) and against the variant ranked just "
+        f"bootstrap difference against {reference} (the {draft_types.get(ref_type).title} reference) and against "
+        f"the variant ranked just "
         f"above, on the prompts both measured; * marks a difference whose 95% interval excludes 0 (an order "
         f"without * is within chance). A parallel type (P-EAGLE, DFlash) drafts its k tokens in one forward "
-        f"pass where EAGLE-3 runs k passes, so equal tau is not equal cost: the last table gives each "
+        f"pass where EAGLE-3 runs k passes, so equal tau is not equal cost: the last table, ranked by the speedup at concurrency 1, gives each "
         f"draft's parameters (P-EAGLE trains its embeddings too; EAGLE-3 keeps a frozen copy of the target's; "
-        f"DFlash stores none), the time of its training steps over all epochs (speculators' step timer) and the speedup measured in interleaved rounds."], tables)]
+        f"DFlash stores none), the time of its training steps over all epochs (speculators' step timer) and the "
+        f"speedup measured in interleaved rounds. "
+        f"Validation losses are not comparable across types: DFlash trains with cross-entropy, the others with "
+        f"KL divergence to the target (speculators' per-type defaults); tau is the common measure."], tables)]
