@@ -316,3 +316,25 @@ def test_resources_default_fills_what_a_stage_leaves_out(tmp_path, test_config):
     assert re.search(r"traces_shard\s+x2\s+1 / 999 / 7 / 0", err), err[-3000:]
     assert re.search(r"hidden_states_shard\s+x2\s+1 / 1234 / 7 / 0", err), err[-3000:]
     assert re.search(r"train_draft\s+x1\s+3 / 1234 / 7 / 0", err), err[-3000:]
+
+
+# The demo overlays the README and docs name: the variants each plans, sharing one instance of
+# every upstream stage (train-only variants) or, for a prompt-source ablation, one draft.
+DEMO_OVERLAYS = {"demo-draft-types.yaml": ["default", "dflash", "peagle"],
+                 "demo-levers.yaml": ["default", "epochs-8", "muon", "ttt-5"],
+                 "demo-sharegpt.yaml": ["default"], "demo-synthesized.yaml": ["default"]}
+
+
+def test_demo_overlays_plan_on_the_demo_config(tmp_path):
+    assert sorted(p.name for p in (REPO / "configs").glob("demo-*.yaml")) == sorted(DEMO_OVERLAYS)
+    for name, variants in DEMO_OVERLAYS.items():
+        proc = subprocess.run([PY, "-m", "snakemake", "-n", "-d", str(tmp_path / name), "--cores", "2", "--configfile",
+                               str(REPO / "config.yaml"), str(REPO / "configs" / name)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        by_rule: dict[str, list[dict]] = {}
+        for rule, wildcards in planned_job_set(proc.stdout + proc.stderr):
+            by_rule.setdefault(rule, []).append(dict(wildcards))
+        assert sorted(w["variant"] for w in by_rule["acceptance"]) == variants, name
+        assert len(by_rule["traces_gather"]) == len(by_rule["hidden_states_gather"]) == 1, name
+    assert "synthesize_gather" in proc.stdout + proc.stderr  # the last: demo-synthesized.yaml
