@@ -206,3 +206,25 @@ def of_checkpoint(draft_dir) -> DraftType:
 def speculative_config_for(draft_dir, num_speculative_tokens: int) -> dict:
     """vLLM's speculative_config for the draft in `draft_dir`, by its own type."""
     return of_checkpoint(draft_dir).speculative_config(str(draft_dir), num_speculative_tokens)
+
+
+# The type-specific settings and the draft types that take them (speculators' flag groups).
+TYPE_SETTINGS = {
+    "block_size": lambda t: t.default_block_size is not None,
+    "num_depths": lambda t: t.name == "peagle",
+    "max_anchors": lambda t: t.parallel_drafting,
+}
+
+
+def check_type_settings(values: dict, section: str = "train") -> None:
+    """A type-specific setting given for a type that does not take it is an error (speculators
+    would ignore it silently); so is a type speculators cannot train for this kind of target."""
+    draft_type = get(values["draft_type"], f"{section}.draft_type")
+    for key, applies in TYPE_SETTINGS.items():
+        if values.get(key) is not None:
+            if not applies(draft_type):
+                takers = [t.name for t in DRAFT_TYPES.values() if applies(t)]
+                raise PipelineError(f"setting {section}.{key} = {values[key]}: only draft types "
+                                    f"{', '.join(takers)} take it, not {draft_type.name!r}; remove it")
+            if values[key] < 1:
+                raise PipelineError(f"setting {section}.{key} = {values[key]}: must be >= 1")

@@ -29,7 +29,6 @@ from typing import Any, Callable
 
 from . import draft_types
 from .errors import PipelineError
-from .training.settings import check_type_settings
 
 VARIANT_SECTIONS = ("generation", "tokenize", "hidden_states", "train")
 # Shared by every variant: one target, one prompt set, one measurement, one plan.
@@ -181,7 +180,7 @@ def check_variants(config: dict, schema: dict) -> None:
     for name in sorted(config["variants"]):
         cfg = variant_config(config, name)
         try:
-            check_type_settings({"draft_type": "eagle3", **cfg["train"]})
+            draft_types.check_type_settings({"draft_type": "eagle3", **cfg["train"]})
         except PipelineError as err:
             raise PipelineError(f"variants.{name}: {err}") from None
         draft_types.check_variant(cfg, name, accelerator)

@@ -27,6 +27,10 @@ def check_config_present(ctx: Context) -> Check:
                                f"config.json + model.safetensors. Was the draft saved with save_pretrained?")
 
 
+def _title(name: str) -> str:
+    return draft_types.DRAFT_TYPES[name].title if name in draft_types.DRAFT_TYPES else "unknown type"
+
+
 @FAMILY.check("config.speculators_model_type")
 def check_model_type(ctx: Context) -> Check:
     seen = ctx.config().get("speculators_model_type")
@@ -35,7 +39,8 @@ def check_model_type(ctx: Context) -> Check:
     detail = "" if ok else (
         "no speculators_model_type: this is not a speculators checkpoint (vLLM would load it as a plain model)"
         if seen is None else
-        f"this is a {seen!r} speculator, but the variant's train.draft_type is {expected!r}: vLLM would run it "
+        f"this is a {seen!r} speculator ({_title(seen)}), but the variant's train.draft_type is {expected!r} "
+        f"({_title(expected)}): vLLM would run it "
         f"as what it says it is. Point the draft at a {expected!r} checkpoint, or set train.draft_type: {seen}")
     return Check("config.speculators_model_type", ok, expected, seen, detail)
 

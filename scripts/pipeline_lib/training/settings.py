@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import cli, draft_types
+from ..draft_types import check_type_settings
 from ..errors import PipelineError
 
 SECTION = "train"
@@ -87,28 +88,6 @@ class TrainSettings:
         parallel types (vLLM asked for more runs them silently wrong); None for EAGLE-3, whose
         draft runs autoregressively for any k."""
         return self.type.trained_tokens(block_size=self.block_size, num_depths=self.num_depths)
-
-
-# The type-specific settings and the draft types that take them (speculators' flag groups).
-TYPE_SETTINGS = {
-    "block_size": lambda t: t.default_block_size is not None,
-    "num_depths": lambda t: t.name == "peagle",
-    "max_anchors": lambda t: t.parallel_drafting,
-}
-
-
-def check_type_settings(values: dict[str, Any]) -> None:
-    """A type-specific setting given for a type that does not take it is an error (speculators
-    would ignore it silently); so is a type speculators cannot train for this kind of target."""
-    draft_type = draft_types.get(values["draft_type"], f"{SECTION}.draft_type")
-    for key, applies in TYPE_SETTINGS.items():
-        if values.get(key) is not None:
-            if not applies(draft_type):
-                takers = [t.name for t in draft_types.DRAFT_TYPES.values() if applies(t)]
-                raise PipelineError(f"setting {SECTION}.{key} = {values[key]}: only draft types "
-                                    f"{', '.join(takers)} take it, not {draft_type.name!r}; remove it")
-            if values[key] < 1:
-                raise PipelineError(f"setting {SECTION}.{key} = {values[key]}: must be >= 1")
 
 
 def check_device_settings(settings: TrainSettings, on_cpu: bool) -> None:
