@@ -17,7 +17,9 @@
 #      (bench/traces_speed.py --vllm)
 #   6. hidden states: the transformers backend's forward and the disk, on the run's own rows
 #      (bench/limits.py hidden-states), beside the vLLM job's figures
-# BOX_STEPS: the steps to run (default "1 2 3 4 5 6"); SPEEDUP_ARGS: more arguments for step 2
+#   7. vLLM's acceptance (and the interleaved speedup) only, without the load check and the
+#      report: step 3's figures at less GPU time, for the same-draft agreement with step 4
+# BOX_STEPS: the steps to run (default "1 2 3 4 5 6"; the 2026-12-05b run: "1 2 4 5 6 7"); SPEEDUP_ARGS: more arguments for step 2
 # (the 2026-12-05 run: "--streams 1,4,16,64 --seconds 8", to fit its GPU time).
 set -uo pipefail
 t0=$(date +%s.%N)
@@ -52,6 +54,9 @@ for n in ${BOX_STEPS:-1 2 3 4 5 6}; do
   4) RECIPE_OVERLAY="configs/gpu-recipe-vllm.yaml configs/gpu-recipe-vllm-transformers-verify.yaml" \
        bash bench/gpu_recipe.sh $V/drafts/default/verify/acceptance.json > /tmp/res/4-transformers-verify.log 2>&1; rc=\$?
      mkdir -p /tmp/res/verify-transformers && cp -a $R/drafts/default/verify/acceptance.json /tmp/res/verify-transformers/ ;;
+  7) RECIPE_OVERLAY=configs/gpu-recipe-vllm.yaml bash bench/gpu_recipe.sh $V/drafts/default/verify/acceptance.json \
+       > /tmp/res/7-vllm-acceptance.log 2>&1; rc=\$?
+     mkdir -p /tmp/res/verify-vllm && cp -a $R/drafts/default/verify/. /tmp/res/verify-vllm/ ;;
   5) python bench/traces_speed.py --target $R/target/model --prompts $R/prompts/train.jsonl --num 2048 \
        --batch-size 512 --vllm --out /tmp/res/traces_speed.json > /tmp/res/5-traces-speed.log 2>&1; rc=\$? ;;
   6) python bench/limits.py hidden-states --run $R --config config.yaml --config configs/gpu-recipe.yaml \
