@@ -205,7 +205,7 @@ def disk_full_guard(path: Path):
         if err.errno not in DISK_FULL_ERRNOS:
             raise
         reason = os.strerror(err.errno)
-        raise DiskFull(f"{path}: {reason} ({_human(free_bytes(path))} free); free space and rerun",
+        raise DiskFull(f"{path}: {reason} ({human_bytes(free_bytes(path))} free); free space and rerun",
                        reason) from None
 
 
@@ -217,10 +217,18 @@ def free_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(p).free
 
 
-def _human(n: float) -> str:
-    from .plan import human_bytes
+def human_bytes(n: float | None) -> str:
+    """A byte count for messages (decimal units). Here, not in plan.py: every rule's program
+    imports this module, and a rule's code version covers what it imports, so importing the
+    planner from here made an edit to a plan-time check rerun every rule."""
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} EB"
 
-    return human_bytes(n)
 
 
 def require_free_space(path: str | os.PathLike, needed: int, what: str) -> None:
@@ -228,8 +236,8 @@ def require_free_space(path: str | os.PathLike, needed: int, what: str) -> None:
     free = free_bytes(path)
     if needed > free:
         raise PipelineError(
-            f"{path}: not enough disk space for {what}: the plan expects {_human(needed)} ({needed:,} bytes), "
-            f"{_human(free)} is free there. Free space (or move results/ to a bigger disk) and rerun; "
+            f"{path}: not enough disk space for {what}: the plan expects {human_bytes(needed)} ({needed:,} bytes), "
+            f"{human_bytes(free)} is free there. Free space (or move results/ to a bigger disk) and rerun; "
             f"nothing was written")
 
 
@@ -250,7 +258,7 @@ def _disk_full_cause(err: BaseException, path: str | os.PathLike, smallest_write
         seen = seen.__cause__ or seen.__context__
     free = free_bytes(path)
     if free < smallest_write:
-        return f"{type(err).__name__}: {str(err)[:300]}, with {_human(free)} left on the device"
+        return f"{type(err).__name__}: {str(err)[:300]}, with {human_bytes(free)} left on the device"
     return None
 
 
@@ -266,6 +274,6 @@ def reporting_disk_full(path: str | os.PathLike, what: str, expected: int, small
         if cause is None:
             raise
         raise PipelineError(
-            f"{path}: the disk is full ({cause}) while writing {what}; the plan expected {_human(expected)} "
-            f"({expected:,} bytes) for it, {_human(free_bytes(path))} is free now. Nothing half-written was "
+            f"{path}: the disk is full ({cause}) while writing {what}; the plan expected {human_bytes(expected)} "
+            f"({expected:,} bytes) for it, {human_bytes(free_bytes(path))} is free now. Nothing half-written was "
             f"kept under a final name. Free space (or move results/ to a bigger disk) and rerun: {resume}") from None

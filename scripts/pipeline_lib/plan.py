@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .hidden_states.formats import FORMATS
+from .io import human_bytes
 from .stages import STAGES, plan_instances, trains_online, variant_config
 
 # Throughputs used when the config gives none: per GPU, measured on one H200 (see README).
@@ -258,16 +259,6 @@ def hidden_state_options(train_tokens: int, per_token: dict, ckpt_total: int, tr
         "gpu_hours_train": online_train, "gpu_hours_total": round(traces_h + online_train, 3),
         "fits": ckpt_total <= free}
     return options
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} EB"
 
 
 def format_plan(plan: dict[str, Any]) -> str:
