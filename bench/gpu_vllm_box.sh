@@ -19,7 +19,7 @@
 #      (bench/limits.py hidden-states), beside the vLLM job's figures
 #   7. vLLM's acceptance (and the interleaved speedup) only, without the load check and the
 #      report: step 3's figures at less GPU time, for the same-draft agreement with step 4
-# BOX_STEPS: the steps to run (default "1 2 3 4 5 6"; the 2026-12-05b run: "1 2 4 5 6 7"); SPEEDUP_ARGS: more arguments for step 2
+# BOX_STEPS: the steps to run (default "1 2 3 4 5 6"; with less GPU time "1 2 4 5 6 7"); SPEEDUP_ARGS: more arguments for step 2
 # (the 2026-12-05 run: "--streams 1,4,16,64 --seconds 8", to fit its GPU time).
 set -uo pipefail
 t0=$(date +%s.%N)

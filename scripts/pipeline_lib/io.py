@@ -230,7 +230,6 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.1f} EB"
 
 
-
 def require_free_space(path: str | os.PathLike, needed: int, what: str) -> None:
     """Fail before starting work that cannot fit: `what` needs `needed` bytes under `path`."""
     free = free_bytes(path)
