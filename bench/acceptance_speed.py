@@ -59,7 +59,7 @@ def smoke_inputs(tmp: Path) -> dict[str, Path]:
         model.save_pretrained(tmp / name)
         drafts[name] = tmp / name
     prompts = tmp / "eval.jsonl"
-    if os.environ.get("BENCH_PROMPTS"):  # no MT-Bench package on the box: a copy of eval rows
+    if os.environ.get("BENCH_PROMPTS"):  # no MT-Bench package on the node: a copy of eval rows
         return {"target": target, "draft": drafts["final"], "untrained": drafts["untrained"],
                 "prompts": Path(os.environ["BENCH_PROMPTS"])}
     rows = [json.loads(line) for line in Path(resolve_asset(MTBENCH)).read_text().splitlines() if line.strip()]

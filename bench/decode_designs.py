@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Where batched greedy decoding spends its time on a GPU, design by design, in one run: the
-evidence behind the traces backend's and the acceptance job's decoding choices (issues 18, 19).
+evidence behind the traces backend's and the acceptance job's decoding choices.
 
 A random-weight model of the target's shape (--config: a config.json, e.g. the demo target's)
 answers the same prompts (random token ids of the lengths in --lengths, or 60-300) in batches of

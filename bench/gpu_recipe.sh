@@ -5,7 +5,7 @@
 # report. Workdir bench/.work/recipe; the run's results under bench/.work/recipe/results/<run_name>/.
 # Usage: bash bench/gpu_recipe.sh [snakemake targets; default: the acceptance measurement]
 # Expects snakemake/speculators/datasets and the asset packages importable (a venv, or PYTHONPATH
-# with those wheels installed on a node without network: bench/gpu_recipe_box.sh).
+# with those wheels installed on a node without network: bench/gpu_recipe_offline.sh).
 # BENCH_SMOKE=1 runs the same flow on CPU with the tests' tiny target and small settings
 # (configs/gpu-recipe-smoke.yaml): what to try before spending GPU time; tests/test_gpu_recipe.py.
 set -euo pipefail

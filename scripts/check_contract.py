@@ -6,7 +6,7 @@ Writes contract.json: {"passed", "summary", "checks": [{name, passed, expected, 
 required}], "reference"}. `passed` is true only if every required check passed; a check that
 could not run because an earlier one failed has passed = null. The train-vs-serve check
 (training_data.matches_serving_render) needs vLLM: where vLLM is not installed it is reported
-as not run, saying why, and informational (required false), so such a box can still build.
+as not run, saying why, and informational (required false), so a machine without vLLM can still build.
 A broken draft (no config.json,
 another speculator type, random embeddings, ...) is a result, not a crash: the script writes
 contract.json and exits 0; make_report decides whether the build fails. Missing pipeline

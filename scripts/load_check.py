@@ -107,7 +107,7 @@ def main() -> int:
     draft_config, draft_type = check_draft_dir(draft, args.draft_type)
     runtime.setup()
     # The engine in this process, on GPU too: vLLM's own exception reaches us (not "engine core
-    # failed, see above") and the CPU box starts it in seconds instead of a minute.
+    # failed, see above") and a 2-core CPU machine starts it in seconds instead of a minute.
     runtime.vllm_engine_in_process(on_gpu_too=True)
     import vllm
     from vllm import LLM, SamplingParams

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build a random-weight Llama target with a real trained BPE tokenizer and a chat template
 that has a thinking section. Used by the tests (tiny preset: vLLM on CPU runs it in seconds)
-and on GPU boxes to prove the GPU code paths at a real size (1b preset, no hub needed).
+and on GPU nodes to prove the GPU code paths at a real size (1b preset, no hub needed).
 
 The tiny-reasoning preset is the tiny shape with weights set on purpose so that greedy
 decoding reasons and then answers, as a thinking model does: its chat template opens

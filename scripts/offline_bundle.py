@@ -46,7 +46,8 @@ from pathlib import Path
 TOOL = "eagle3-offline-bundle"
 TOOL_VERSION = 1
 CHUNK = 1 << 20
-# The lent H200 box: CPython 3.12 on x86-64 Linux (glibc new enough for manylinux_2_34).
+# The node the bundle is built for by default, like the H200 node it was tested on: CPython 3.12
+# on x86-64 Linux (glibc new enough for manylinux_2_34).
 NODE_PYTHON = "3.12"
 NODE_PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64",
                   "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",

@@ -5,7 +5,7 @@ snakemake-executor-plugin-slurm (2.8.0) waits 10 s longer after every status che
 job finish (up to 180 s, not configurable) and goes back to
 `slurm-init-seconds-before-status-checks` when one did. Good for a busy controller; on the
 test's one-node cluster, where each run waits on a chain of 20-90 s jobs, it left the run idle
-10-30 s after each job had ended (measured on the CPU box, 2026-12-04: every step of the
+10-30 s after each job had ended (measured on a 2-core CPU machine, 2026-12-04: every step of the
 pipeline's chain). Capped here at POLL_CAP_S; everything else (sbatch, the status command,
 the jobs themselves) is the plugin's own, unchanged."""
 from __future__ import annotations

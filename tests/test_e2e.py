@@ -39,7 +39,7 @@ def test_every_artifact_exists_with_provenance(e2e):
 
 def test_cpu_jobs_run_vllms_engine_in_their_own_process(e2e):
     """Without CUDA every job that starts vLLM runs its engine in its own process (no
-    EngineCore process to spawn: ~18 s less per engine start on the CPU box), as
+    EngineCore process to spawn: ~18 s less per engine start on a 2-core CPU machine), as
     runtime.vllm_engine_in_process decides; the acceptance provenance records the mode."""
     r = e2e.results
     logs = [*sorted((r / "logs/traces").glob("*.log")), *sorted((r / "logs/hidden_states").glob("*.log")),

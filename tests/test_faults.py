@@ -314,7 +314,7 @@ def test_kill_inside_training_resumes_from_its_checkpoint(e2e, tmp_path):
     assert (got["d2t"] == want["d2t"]).all() and (got["t2d"] == want["t2d"]).all()
     start = load_file(str(ref / draft / "untrained" / "model.safetensors"))
     # The final weights vs the uninterrupted run's, relative to how far training moved them.
-    # Measured (CPU box, 2026-12-04): every weight matrix 0.0085-0.0102 (bf16-rounded state
+    # Measured (2-core x86-64 CPU machine, 2026-12-04): every weight matrix 0.0085-0.0102 (bf16-rounded state
     # carried through one more epoch); the norm vectors 0.29-0.43 (they move little from 1.0,
     # so bf16's rounding of values near 1.0 is a large share of their movement). A resume from
     # another trajectory moves the matrices by the order of their training movement (~1).

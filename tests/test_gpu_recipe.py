@@ -1,7 +1,7 @@
 """The GPU quality recipe's flow (bench/gpu_recipe.sh, configs/gpu-recipe*.yaml) on CPU with the
 tiny target (BENCH_SMOKE=1): the same Snakemake targets, the transformers backends for traces,
 hidden states and the batched acceptance measurement on every eval suite - the wiring a GPU
-call relies on, proven before spending device time."""
+run relies on, proven before spending GPU time."""
 from __future__ import annotations
 
 import json
@@ -26,7 +26,7 @@ def test_recipe_smoke_measures_every_suite_with_the_batched_backend(tmp_path):
     # The batched measurement equals step-by-step chain speculation on the cross-check prompts.
     check = acc["self_check"]["trained"]
     assert check["compared"] == 2 and check["identical"] == 2, check
-    # Traces came from the transformers backend (the GPU box has no vLLM).
+    # Traces came from the transformers backend (the recipe's H200 node had no vLLM).
     summary = json.loads((results / "traces/summary.json").read_text())
     assert summary["backends"] == {"transformers": summary["rows"]} and summary["failed"] == 0
     assert (results / "hidden_states/manifest.json").exists()

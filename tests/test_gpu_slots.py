@@ -96,7 +96,7 @@ def test_help_documents_the_modes(tmp_path):
         assert phrase in out.stdout
 
 
-# PIPELINE_GPU_IDS="" declares a machine without GPUs (so this holds on a GPU box too).
+# PIPELINE_GPU_IDS="" declares a machine without GPUs (so this holds on a GPU machine too).
 @pytest.mark.parametrize("machine_ids, expected", [("0,1", "''"), ("", "None")])
 def test_cpu_job_hides_gpus_only_where_there_are_some(tmp_path, machine_ids, expected):
     env = clean_env(PIPELINE_GPU_IDS=machine_ids)
@@ -167,7 +167,7 @@ def test_bad_command_lines(tmp_path):
 
 
 def test_nvidia_smi_listing_is_parsed():
-    # The first line as `nvidia-smi -L` printed it on the lent H200 box; a second GPU and a MIG
+    # The first line as `nvidia-smi -L` printed it on an H200 node; a second GPU and a MIG
     # slice line in the same format (MIG slices are not addressable by index: not pool ids).
     listing = ("GPU 0: NVIDIA H200 (UUID: GPU-cf4271ab-a9e2-eecb-a1ff-05c9080856be)\n"
                "GPU 1: NVIDIA H200 (UUID: GPU-9a52e0aa-51f0-0a6c-6f8e-0c1bd27f3f1e)\n"
@@ -346,7 +346,7 @@ def max_concurrency(records: dict[str, dict]) -> int:
 
 
 def test_snakemake_jobs_get_disjoint_devices(tmp_path, recorder):
-    """The brief's case: Snakemake counts gpu=2, the wrapper picks which two."""
+    """The common case: Snakemake counts gpu=2, the wrapper picks which two."""
     workdir = tmp_path / "wf"
     records, wall = run_gpu_workflow(workdir, recorder, n_one=6, cores=4, gpu_budget=2, pool="0,1")
     assert assert_no_shared_device(records, {"0", "1"}) >= 1, "no two jobs ran at the same time"

@@ -644,7 +644,7 @@ def test_load_check_fails_with_vllms_own_message(trained, hs_run, tmp_path):
     assert not (tmp_path / "lc.json").exists()
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's scontrol (.ci/install_slurm.sh)")
+@pytest.mark.needs_root(why="it asks SLURM's scontrol to expand a node list", slurm=True, root=False)
 def test_first_host_expands_a_slurm_nodelist_with_scontrol(tmp_path, monkeypatch):
     # scontrol needs a configuration source even to expand host names; on a compute node that
     # is the cluster's slurm.conf, here a minimal one (the SLURM test cluster removes its own).

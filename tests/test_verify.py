@@ -756,7 +756,7 @@ def test_load_change_between_rounds_is_flagged_not_reported_as_a_speedup(run_dir
 
 
 def test_transformers_backend_agrees_with_vllm(run_dir, vllm_acceptance, tmp_path):
-    # One torch thread: spinning OpenMP threads cost several times more on the shared 2-core box.
+    # One torch thread: spinning OpenMP threads cost several times more on a shared 2-core machine.
     env = {"OMP_NUM_THREADS": "1"}
     baseline = measure_baseline(run_dir, tmp_path / "baseline.json", "transformers", env=env)
     hf = measure(run_dir, tmp_path / "acceptance.json", "transformers", baseline, env=env)
@@ -1194,7 +1194,7 @@ def test_serving_render_catches_a_template_change_in_earlier_answers_only(multit
 
 
 def test_serving_render_without_vllm_says_it_did_not_run(multiturn_rows, monkeypatch):
-    # Every `import vllm...` raises ImportError, as on a box without vLLM (the H200 box).
+    # Every `import vllm...` raises ImportError, as on a node without vLLM (the recipe's H200 node).
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")] + ["vllm"]:
         monkeypatch.setitem(sys.modules, name, None)
     result = serving_render(multiturn_rows)

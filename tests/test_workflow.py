@@ -172,7 +172,7 @@ def test_kimi_scale_plan_is_fast_and_right(tmp_path, test_config):
 
 
 def test_self_vs_dataset_ablation_config_shares_target_and_prompts_only(tmp_path):
-    """configs/ablation-self-vs-dataset.yaml (issue #12): two variants differing in
+    """configs/ablation-self-vs-dataset.yaml: two variants differing in
     generation.source. One target and one prompt set; each variant its own traces, tokenized
     data, hidden states and draft (the base in the plain directories, the dataset variant in
     <stage>-<digest> ones)."""
