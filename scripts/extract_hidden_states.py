@@ -16,8 +16,8 @@ counts, tokens, bytes, tokens/s, per-file digests) for gather_hidden_states.py.
 Settings (config.yaml `hidden_states`): backend (vllm|transformers), aux_layer_ids (null =
 speculators' default [2, N//2, N-3]), batch_size and batch_tokens (the transformers backend's
 forward passes: at most this many rows and padded tokens; vLLM schedules its own batches),
-dtype, storage (bf16 | fp8: hs-connectors' per-token scaled float8 files, about half the
-bytes), trust_remote_code.
+dtype (what the target computes in; bf16 storage writes float32 as bfloat16), storage (bf16 |
+fp8: hs-connectors' per-token scaled float8 files, about half the bytes), trust_remote_code.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, runtime  # noqa: E402
+from pipeline_lib import cli, dtypes, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.hidden_states import (  # noqa: E402
     FileRecord, HSStore, LayerSpec, Row, backend_class, hs_name, layer_spec, log_to_stderr, shard_range, store_key,
@@ -159,7 +159,8 @@ def main() -> None:
         "shard": args.shard, "num_shards": args.num_shards, "row_range": [row_range.start, row_range.stop],
         "dataset_rows": total_rows,
         "aux_layer_ids": list(spec.aux_layer_ids), "final_layer_id": spec.final_layer_id,
-        "hidden_size": spec.hidden_size, "dtype": spec.dtype,
+        "hidden_size": spec.hidden_size, "dtype": spec.dtype, "compute_dtype": spec.run_dtype,
+        "dtype_resolution": dtypes.job_record("hidden_states", spec.run_dtype),
         "storage": spec.storage, "stored_dtype": spec.format.stored_dtype(spec.dtype),
         "target_digest": t_digest, "data_digest": d_digest,
         "store_key": key, "store_dir": str(store.root),

@@ -168,6 +168,8 @@ def main() -> None:
     manifest = {
         "aux_layer_ids": shared["aux_layer_ids"], "final_layer_id": shared["final_layer_id"],
         "hidden_size": shared["hidden_size"], "dtype": shared["dtype"],
+        # what the target computed in (the files are in dtype; float32 is stored as bfloat16)
+        "compute_dtype": shards[0][1].get("compute_dtype", shared["dtype"]),
         "mode": "offline", "storage": shared["storage"], "stored_dtype": shared["stored_dtype"],
         "target_digest": shared["target_digest"], "data_digest": shared["data_digest"],
         "rows": shared["dataset_rows"], "tokens": tokens, "bytes": size,
@@ -188,7 +190,11 @@ def main() -> None:
 
 def write_provenance(args, shards, shared, backends, data_dir_digest: str, counts: dict) -> None:
     settings = {k: shared[k] for k in ("aux_layer_ids", "dtype", "storage", "num_shards")} | {"backend": "+".join(backends)}
+    settings["compute_dtype"] = shards[0][1].get("compute_dtype", shared["dtype"])
     prov = Provenance("hidden_states_gather", settings)
+    # What the shards computed in and why (pipeline_lib/dtypes.py): each distinct record once.
+    records = [s.get("dtype_resolution") for _, s in shards]
+    resolutions = [r for i, r in enumerate(records) if r not in records[:i]]
     inputs = {f"shard_{s['shard']}": p for p, s in shards} | {"data": args.data, "token_freq": args.token_freq}
     # The data dir holds every hidden state: its digest comes from the known per-file digests
     # instead of rehashing gigabytes.
@@ -198,7 +204,8 @@ def write_provenance(args, shards, shared, backends, data_dir_digest: str, count
                # content: here, not in the manifest, so an interrupted-then-resumed extraction
                # makes the same manifest as an uninterrupted one and nothing after it is stale.
                links=counts, store={"reused": sum(s["reused"] for _, s in shards),
-                                    "regenerated": sum(s["regenerated"] for _, s in shards)})
+                                    "regenerated": sum(s["regenerated"] for _, s in shards)},
+               dtype_resolution=resolutions)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def main() -> int:
                generation_key=keys.pop(),
                counts={k: summary[k] for k in ("rows", "ok", "failed", "truncated", "turns_total", "turns_answered",
                                               "turns_failed", "turns_dropped", "turns_with_token_ids")},
-               turns=summary["turns"], source=summary["source"])
+               turns=summary["turns"], source=summary["source"],
+               dtype_resolution=summaries[0].get("dtype_resolution"))
     print(f"[traces gather] {summary['rows']} rows from {n} shard(s): {summary['ok']} ok "
           f"({summary['truncated']} truncated), {summary['failed']} failed; user turns: {summary['turns_answered']} "
           f"answered, {summary['turns_failed']} failed, {summary['turns_dropped']} of {summary['turns_total']} dropped "

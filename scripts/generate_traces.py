@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, runtime  # noqa: E402
+from pipeline_lib import cli, dtypes, runtime  # noqa: E402
 from pipeline_lib.traces import TURN_FIELDS, count_rows, turn_messages  # noqa: E402
 from pipeline_lib.digests import json_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
@@ -334,10 +334,15 @@ def main() -> int:
     if not (args.target / "config.json").exists():
         raise PipelineError(f"{args.target}: not a model dir (no config.json); run the target stage first")
     manifest = load_manifest(args.manifest)
-    dtype = manifest.get("dtype")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise PipelineError(f"{args.manifest}: dtype {dtype!r} is not bfloat16/float16/float32; rebuild the target")
-    gen_key = generation_key(settings.answer_defining(), manifest, args.manifest)
+    stored = manifest.get("dtype")
+    if stored not in ("bfloat16", "float16", "float32"):
+        raise PipelineError(f"{args.manifest}: dtype {stored!r} is not bfloat16/float16/float32; rebuild the target")
+    # generation.dtype (the workflow resolved `auto`: pipeline_lib/dtypes.py); unset, the stored dtype.
+    dtype = settings.dtype or stored
+    answer_defining = settings.answer_defining()
+    if dtype != stored and settings.backend != "openai":  # the answers depend on it (in the stored dtype the key stays as before; an endpoint computes in its own)
+        answer_defining["dtype"] = dtype
+    gen_key = generation_key(answer_defining, manifest, args.manifest)
 
     all_prompts = load_prompts(args.prompts)
     prompts = shard_prompts(all_prompts, args.shard, args.num_shards)
@@ -376,6 +381,7 @@ def main() -> int:
         "new_completion_tokens": gen.new_tokens if gen else 0,
         "tokens_per_s": round(gen.new_tokens / gen_s, 1) if gen_s else None,
         "generation_key": gen_key, "settings": settings.public(),
+        "dtype_resolution": dtypes.job_record("generation", dtype),
         **(gen.backend_info if gen else {"backend": DATASET}),
         "cache": str(RowCache(args.cache_dir, args.shard, args.num_shards).path),
     }

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli  # noqa: E402
+from pipeline_lib import cli, dtypes  # noqa: E402
 from pipeline_lib.acceptance.job import (add_input_args, check_target, effective_settings,  # noqa: E402,F401
                                          eos_token_ids, measure_spec, ran_as_engine_child, suite_files, suite_of)
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
@@ -154,7 +154,8 @@ def main() -> int:
                inputs={"target": args.target, "draft": args.draft, "untrained": args.untrained,
                        "prompts": args.prompts, "baseline": args.baseline,
                        **{f"suite_{n}": p for n, p in suite_files(args.suite)}},
-               outputs={"acceptance": args.out})
+               outputs={"acceptance": args.out},
+               dtype_resolution=dtypes.job_record("verify", spec.dtype))
     return 0
 
 

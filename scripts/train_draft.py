@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, launch, runtime, speculators_cpu  # noqa: E402
+from pipeline_lib import cli, dtypes, launch, runtime, speculators_cpu  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.hidden_states.training import training_source  # noqa: E402
 from pipeline_lib.io import atomic_write_json, reporting_disk_full, require_free_space  # noqa: E402
@@ -188,6 +188,7 @@ def main() -> int | None:
                launch={"mode": plan.mode, "command": plan.command, "world_size": plan.world_size},
                hidden_states={k: hs_record.get(k) for k in ("mode", "storage", "transfer")},
                training_data=used.record,
+               dtype_resolution=dtypes.job_record("train", settings.dtype, on_gpu=not on_cpu),
                **summary)
     log(f"final/ = epoch {selected} ({settings.select}); " +
         ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))

@@ -127,8 +127,10 @@ def vllm_shard(workdir) -> dict:
 def pipeline_run(workdir, tiny_target) -> Path:
     """The real rules through Snakemake: 2 transformers shards, then the gather."""
     config = base_test_config(tiny_target)
-    config["hidden_states"] = {"backend": "transformers", "num_shards": 2, "batch_size": 4}
-    # One core per shard job, so Snakemake runs both shards at once on the 2-core CI box.
+    # bfloat16 set, not `auto` (float32 on a CPU without bf16 instructions): the store key and the
+    # files must be those of the by-hand runs here, whose settings give none (bfloat16).
+    config["hidden_states"] = {"backend": "transformers", "num_shards": 2, "batch_size": 4, "dtype": "bfloat16"}
+    # One core per shard job, so Snakemake runs both shards at once on a 2-core CI machine.
     config["resources"] = {"hidden_states": {"threads": 1, "mem_mb": 4000, "runtime": 30, "gpu": 0}}
     old_path = os.environ.get("PATH", "")
     os.environ["PATH"] = f"{Path(PY).parent}{os.pathsep}{old_path}"  # rules call `python`

@@ -22,8 +22,8 @@ def vllm_engine_in_process(on_gpu_too: bool = False) -> bool:
     the load check). Call it before `LLM(...)`; a child process inherits it.
 
     CPU: in this process. A separate EngineCore process imports torch and vLLM again and
-    talks to us over sockets; on 2 cores it overlaps nothing. Measured on the shared CPU box
-    (2 cores, 2026-12-04, tiny test target, a fresh process per start): 29.6 s per engine start
+    talks to us over sockets; on 2 cores it overlaps nothing. Measured on a shared 2-core x86-64
+    CPU machine (2026-12-04, tiny test target, a fresh process per start): 29.6 s per engine start
     with the separate process, 11.1 s in-process; `LLM(...)` alone 16.6 s vs 2.2 s.
     GPU: vLLM's default, a separate EngineCore process, which schedules and processes outputs
     while the GPU computes (vLLM's architecture overview). Not a config setting: the right
@@ -44,7 +44,7 @@ def setup(offline: bool = True) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # vLLM CPU: KV cache size in GiB (default would take a large slice of a 24 GiB box).
+    # vLLM CPU: KV cache size in GiB (default would take a large slice of a 24 GiB machine).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's automatic OpenMP core binding pinned the CPU worker to one core whose time it then
     # shared with a second busy thread when run as a Snakemake job: the demo's trace shard made

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import draft_types
+from . import draft_types, dtypes
 from .errors import PipelineError
 
 VARIANT_SECTIONS = ("generation", "tokenize", "hidden_states", "train")
@@ -109,11 +109,14 @@ def variant_overrides(name: str, spec: dict | None) -> dict[str, dict]:
 
 
 def variant_config(config: dict, name: str) -> dict:
-    """The config as variant `name` sees it: the base sections with its overrides merged in."""
+    """The config as variant `name` sees it: the base sections with its overrides merged in, and
+    any `auto` dtype resolved for where the variant's stage runs (pipeline_lib/dtypes.py; the
+    workflow's base config is resolved already, so a variant inherits the base's dtype unless it
+    sets its own)."""
     merged = dict(config)
     for section, overrides in variant_overrides(name, config["variants"][name]).items():
         merged[section] = {**config[section], **overrides}
-    return merged
+    return dtypes.resolve(merged)
 
 
 def stage_settings(cfg: dict, stage: str) -> dict[str, Any]:
@@ -133,11 +136,12 @@ def instances_for(config: dict, cfg: dict) -> dict[str, StageInstance]:
     a stage it does not build, such as hidden states when training online, is left out);
     `config` is the base config, whose instances keep the plain directory names."""
     out: dict[str, StageInstance] = {}
+    base = dtypes.resolve(config)  # as variant_config resolves cfg (a no-op on the workflow's config)
     for stage in STAGES.values():
         if not stage.built(cfg):
             continue
         chain = _chain(cfg, stage.name)
-        if chain == _chain(config, stage.name):
+        if chain == _chain(base, stage.name):
             directory = stage.name
         else:
             directory = f"{stage.name}-{hashlib.sha256(settings_json(chain).encode()).hexdigest()[:DIGEST_CHARS]}"

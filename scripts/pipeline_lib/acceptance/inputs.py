@@ -60,7 +60,7 @@ class MeasureSpec:
         round-robin over the categories (the first of each category, then the second, ...), so
         every category has a baseline; in eval-set order. The baseline only shows that a draft
         with random weights gets ~1.0, and its engine run costs as much as the trained draft's
-        (minutes on a small CPU box)."""
+        (minutes on a 2-core CPU machine)."""
         if self.untrained_prompts is None or self.untrained_prompts >= len(self.prompts):
             return list(self.prompts)
         by_category: dict[str | None, list[int]] = {}

@@ -117,8 +117,8 @@ def add_input_args(p) -> None:
 def ran_as_engine_child(args) -> bool:
     """Common start of both scripts. A cancelled job (Snakemake, SLURM) sends SIGTERM: unwind,
     so the parent stops its engine child and the child shuts its engine down (a separate
-    EngineCore process, as on GPU, was left running by a child killed outright: seen on the
-    CPU box with it forced on). True when this process is an engine child (its job is done)."""
+    EngineCore process, as on GPU, was left running by a child killed outright: seen on a
+    2-core CPU machine with it forced on). True when this process is an engine child (its job is done)."""
     runtime.setup()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not args.engine_job:

@@ -6,7 +6,7 @@ batch), so a change of load on the machine lands in one round, not in the ratio 
 with; round 2: with, without; ...: a load that drifts steadily then cancels in the mean). `decide` turns the rounds into a figure
 or into "not measured" with the reason:
 
-- the interval is Student's t over the per-round ratios (95%): with the few rounds a CPU box
+- the interval is Student's t over the per-round ratios (95%): with the few rounds a CPU machine
   can afford (3-5) a bootstrap over rounds cannot be wider than their range and would claim
   too much; t widens with few rounds as it should;
 - rounds disagree when their ratios differ by more than `tolerance` of their mean: a load
@@ -101,7 +101,7 @@ def run_rounds(arms: dict[str, Callable[[], dict]], rounds: int, log: Callable[[
     """arms: ARMS -> a function that decodes the round's prompts and returns {setting:
     {"output_tokens", "wall_s"}} (a setting it does not measure is absent). Returns one
     {arm: that dict} per round. An untimed round comes first: an engine's first pass over a
-    batch shape is slower (seen on the CPU box, tiny target, vLLM: 590 vs 1,400 tokens/s at the
+    batch shape is slower (seen on a 2-core CPU machine, tiny target, vLLM: 590 vs 1,400 tokens/s at the
     batch, 80 vs 200 at concurrency 1), which would fall on round 1 alone."""
     for arm in ARMS:
         arms[arm]()

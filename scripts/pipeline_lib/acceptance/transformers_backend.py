@@ -1,5 +1,5 @@
 """Backend `transformers`: the same models in plain transformers, for targets vLLM cannot run
-(or boxes without vLLM), and as a cross-check of vLLM.
+(or machines without vLLM), and as a cross-check of vLLM.
 
 The numbers come from the batched exact path (batched.py): batched greedy generation, one
 teacher-forced target pass and k batched draft passes per batch of prompts. The sequential

@@ -59,6 +59,9 @@ class GenerationSettings:
     max_turns: int | None = None
     source: str = "target"
     trust_remote_code: bool = False
+    # What the target computes in (the workflow resolves `auto`: pipeline_lib/dtypes.py);
+    # None = the target's stored dtype (its manifest's), as before the setting existed.
+    dtype: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "GenerationSettings":
@@ -94,6 +97,9 @@ class GenerationSettings:
         if self.max_turns is not None and (not isinstance(self.max_turns, int) or isinstance(self.max_turns, bool)
                                            or self.max_turns < 1):
             raise bad("max_turns", "must be an integer >= 1 or null")
+        if self.dtype not in (None, "bfloat16", "float16", "float32"):
+            raise bad("dtype", "give bfloat16, float16 or float32 (the workflow resolves auto; "
+                               "leave it out to compute in the target's stored dtype)")
         if self.backend == "openai" and not self.endpoint:
             raise bad("endpoint", "the openai backend needs the server's base URL, e.g. http://127.0.0.1:8000/v1")
 

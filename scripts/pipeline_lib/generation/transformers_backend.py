@@ -1,4 +1,4 @@
-"""transformers backend: HF generate, for targets (or GPU boxes) vLLM cannot run."""
+"""transformers backend: HF generate, for targets (or GPU nodes) vLLM cannot run."""
 from __future__ import annotations
 
 import time

@@ -167,7 +167,7 @@ class HiddenStatesServer:
 
     def command(self, port: int) -> list[str]:
         cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(self.target.resolve()),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", self.spec.dtype,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", self.spec.run_dtype,
                "--max-model-len", str(self.max_model_len),
                # One prefill per request: graph capture costs more than it saves, and a
                # prefix-cache hit would skip the very layers the request is for.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..digests import json_digest
+from ..dtypes import hidden_file_dtype
 from ..errors import PipelineError
 from ..io import atomic_write_bytes
 from ..target import load_config, num_layers, resolve_aux_layer_ids, text_config
@@ -40,6 +41,14 @@ class LayerSpec:
     dtype: str
     max_positions: int | None = None
     storage: str = "bf16"  # on-disk format (formats.py): bf16 = as extracted, fp8 = hs-connectors' FP8
+    # What the target runs in when not `dtype` (the files' dtype): float32 on a CPU without bf16
+    # instructions (hidden_states.dtype auto), written as bfloat16 files (dtypes.hidden_file_dtype).
+    compute_dtype: str | None = None
+
+    @property
+    def run_dtype(self) -> str:
+        """The dtype the target computes in (vLLM's --dtype, transformers' from_pretrained)."""
+        return self.compute_dtype or self.dtype
 
     @property
     def format(self):
@@ -66,8 +75,11 @@ class LayerSpec:
         return tokens * (self.format.bytes_per_token(len(self.layer_ids), self.hidden_size, self.dtype) + 8) + 256
 
 
-def layer_spec(target_dir: str | Path, settings: dict[str, Any]) -> LayerSpec:
-    """The spec for a target and the stage settings; raises PipelineError naming the setting."""
+def layer_spec(target_dir: str | Path, settings: dict[str, Any], files_as_computed: bool = False) -> LayerSpec:
+    """The spec for a target and the stage settings; raises PipelineError naming the setting.
+    hidden_states.dtype is what the target computes in; the files are in that dtype, except that
+    float32 is stored as bfloat16 (dtypes.hidden_file_dtype) unless `files_as_computed` (an online
+    server's files, read once and deleted)."""
     config = load_config(target_dir)
     text = text_config(config)
     n = num_layers(config)
@@ -78,7 +90,9 @@ def layer_spec(target_dir: str | Path, settings: dict[str, Any]) -> LayerSpec:
     if "hidden_size" not in text:
         raise PipelineError(f"{Path(target_dir) / 'config.json'}: no hidden_size; is this a decoder LLM?")
     storage = storage_format(settings.get("storage", "bf16")).name  # an unknown name fails here, naming the key
-    return LayerSpec(tuple(aux), n, int(text["hidden_size"]), dtype, text.get("max_position_embeddings"), storage)
+    stored = dtype if files_as_computed else hidden_file_dtype(dtype)
+    return LayerSpec(tuple(aux), n, int(text["hidden_size"]), stored, text.get("max_position_embeddings"), storage,
+                     compute_dtype=dtype if dtype != stored else None)
 
 
 def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -101,6 +115,8 @@ def store_key(target_digest: str, data_digest: str, spec: LayerSpec) -> str:
            "layer_ids": spec.layer_ids, "dtype": spec.dtype}
     if spec.storage != "bf16":
         key["storage"] = spec.storage
+    if spec.compute_dtype:  # files computed in another dtype than stored never share a store with the others
+        key["compute_dtype"] = spec.compute_dtype
     return json_digest(key)[len("sha256:"):][:16]
 
 

@@ -164,7 +164,8 @@ class OnlineSource:
 
         from ..provenance import upstream_digest
 
-        self.spec = layer_spec(target_dir, self.settings)
+        # The server's files are read once and deleted: in the dtype it computes in.
+        self.spec = layer_spec(target_dir, self.settings, files_as_computed=True)
         try:
             rows = len(load_from_disk(str(self.data)))
         except Exception as err:  # datasets raises several types for a non-dataset dir

@@ -21,7 +21,7 @@ from .store import FileRecord, HSStore, LayerSpec, Row, hs_tensors, register
 # Host buffers in flight: the forward may run this many batches ahead of the slowest writer,
 # which bounds pinned host memory at HOST_BUFFERS x batch_tokens x layers x hidden x 2 bytes.
 HOST_BUFFERS = 3
-# Concurrent fsync'd writers: more did not help on the H200 box's disk (4 threads wrote 1.6 GB/s,
+# Concurrent fsync'd writers: more did not help on an H200 node's local disk (4 threads wrote 1.6 GB/s,
 # 8 threads 1.5 GB/s) and each one holds a batch's rows in memory.
 MAX_WRITERS = 8
 
@@ -71,8 +71,8 @@ class TransformersBackend:
             # The CPU only serves the writers here; one intra-op thread per writer keeps their
             # torch calls (validation) from each starting a full OpenMP team.
             torch.set_num_threads(1)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(target_dir), dtype=spec.torch_dtype, device_map=self.device,
+        model = AutoModelForCausalLM.from_pretrained(  # computes in run_dtype; capture() casts to the files' dtype
+            str(target_dir), dtype=getattr(torch, spec.run_dtype), device_map=self.device,
             trust_remote_code=bool(settings.get("trust_remote_code", False)))
         self.decoder = model.get_decoder().eval()
         del model  # only the decoder is kept (the lm_head and its logits are never needed)

@@ -46,7 +46,7 @@ class VllmBackend:
         self.tag = f"{os.getpid()}-vllm"
         self.llm = LLM(
             model=str(target_dir),
-            dtype=spec.dtype,
+            dtype=spec.run_dtype,
             max_model_len=max_len + 1,
             enforce_eager=True,  # prefill only: graph capture would cost more than it saves
             enable_prefix_caching=False,  # every row's hidden states computed by its own request
@@ -77,6 +77,8 @@ class VllmBackend:
                     raise RuntimeError(f"row {r.index}: vLLM wrote hidden states to {written!r}, "
                                        f"expected {temp}; is allow_custom_save_path honoured?")
                 _wait_for_writer(temp, step=self.llm.llm_engine.step if self.in_process else None)
+                if self.spec.compute_dtype and self.spec.storage == "bf16":
+                    _recast(temp, self.spec.torch_dtype)  # computed in float32, stored as bfloat16
                 yield store.commit(r, temp)
 
     def close(self) -> None:
@@ -133,6 +135,16 @@ def _wait_for_writer(path: Path, timeout_s: float = 600.0, step: Callable[[], An
         lock.unlink(missing_ok=True)
     if not path.exists():
         raise RuntimeError(f"{path}: vLLM reported this hidden-states file but it was never written")
+
+
+def _recast(path: Path, dtype) -> None:
+    """Rewrite a connector's file (a temp name; commit() validates it next) with its hidden
+    states in `dtype`, the store's. Read whole first: nothing stays mapped while it is rewritten."""
+    from safetensors.torch import load, save
+
+    tensors = load(path.read_bytes())
+    tensors["hidden_states"] = tensors["hidden_states"].to(dtype)
+    path.write_bytes(save(tensors))
 
 
 def _cuda_device_count() -> int:

@@ -74,7 +74,7 @@ def trajectory_fingerprint(settings: TrainSettings, inputs: TrainingInputs,
     chosen = {k: v for k, v in settings.as_dict().items() if k not in NOT_IN_FINGERPRINT}
     # Keys added later, at their defaults, are left out: checkpoints made before they existed resume.
     for key, default in (("max_conversations", None), ("draft_type", "eagle3"), ("block_size", None),
-                         ("num_depths", None), ("max_anchors", None)):
+                         ("num_depths", None), ("max_anchors", None), ("dtype", "bfloat16")):
         if chosen[key] == default:
             del chosen[key]
     return {**chosen,

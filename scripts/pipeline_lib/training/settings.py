@@ -34,12 +34,17 @@ class TrainSettings:
     block_size: int | None = None          # DFlash family / XPress: queries per anchor (None: the type's default)
     num_depths: int | None = None          # P-EAGLE: parallel prediction depths (None: speculators' 8)
     max_anchors: int | None = None         # parallel types: anchor positions per sequence (None: 512)
+    # speculators' --hidden-states-dtype: autocast and hidden-states dtype (the workflow resolves
+    # `auto`: pipeline_lib/dtypes.py); bfloat16 is speculators' own default.
+    dtype: str = "bfloat16"
 
     OPTIONAL = {"extend_epochs": False, "max_conversations": None, "draft_type": "eagle3", "block_size": None,
-                "num_depths": None, "max_anchors": None}
+                "num_depths": None, "max_anchors": None, "dtype": "bfloat16"}
     CHOICES = {"draft_type": tuple(draft_types.DRAFT_TYPES), "optimizer": ("adamw", "muon"), "scheduler": ("linear", "cosine", "none"),
                "attn_impl": ("sdpa", "simple_flex_attention", "eager"),
-               "loss_impl": ("eager", "fused"), "select": ("best", "last")}
+               "loss_impl": ("eager", "fused"), "select": ("best", "last"),
+               # float16 needs gradient scaling, which speculators refuses; `auto` is resolved by the workflow
+               "dtype": ("bfloat16", "float32")}
     MINIMA = {"draft_layers": 1, "draft_vocab_size": 2, "ttt_steps": 1, "epochs": 1,
               "total_seq_len": 16, "keep_last": 1, "num_workers": 0}
 

@@ -47,6 +47,8 @@ def trainer_argv(settings: TrainSettings, inputs: TrainingInputs, target: Path, 
         "--loss-implementation", s.loss_impl,
         "--seed", str(s.seed),
         "--num-workers", str(s.num_workers),
+        # What training computes in (autocast; hidden states read in it): train.dtype.
+        "--hidden-states-dtype", s.dtype,
         # Every epoch is saved (so the last one is too: with N > 1 speculators skips epochs
         # where N doesn't divide epoch+1) and is a resume point.
         "--checkpoint-freq", "1",
