@@ -1,6 +1,7 @@
 # EAGLE-3 draft pipeline: target LLM + prompt set -> trained, verified EAGLE-3 draft for vLLM.
 # Read rules/ in this order to see the whole DAG:
 #   target -> (synthesize ->) prompts -> traces -> tokenize -> hidden_states -> train -> verify
+#   (forecast, optional: target + eval prompts -> the speedup the planned draft would buy)
 import os
 import sys
 
@@ -46,6 +47,7 @@ refuse_missing_paths(config)
 include: "rules/target.smk"
 include: "rules/synthesize.smk"
 include: "rules/prompts.smk"
+include: "rules/forecast.smk"
 include: "rules/traces.smk"
 include: "rules/tokenize.smk"
 include: "rules/hidden_states.smk"

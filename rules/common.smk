@@ -24,6 +24,14 @@ CONDA_ENV = "../envs/conda-cuda.yaml" if os.environ.get("PIPELINE_STACK") == "cu
 R = f"results/{config['run_name']}"
 VARIANTS = sorted(config["variants"])
 
+# Compute dtypes: every `auto` (generation, hidden_states, train, verify) is resolved here, once,
+# in place, by the stage's GPUs and this CPU's bf16 instructions, so every rule and every reader
+# of `config` sees the dtype the stage computes in; the jobs inherit the decision (for their
+# provenance) and SLURM jobs the CPU verdict (pipeline_lib/dtypes.py). The plan prints it.
+from pipeline_lib import dtypes  # noqa: E402
+
+DTYPE_RESOLUTION = dtypes.resolve_in_place(config)
+
 # Stage instances (pipeline_lib/stages.py): per variant, the traces / tokenized / hidden_states
 # directories it is built from, and per directory what defines it. Rules reach them only
 # through the input functions below, by the wildcard that names the directory.
@@ -398,6 +406,8 @@ def all_outputs():
         outs += report_outputs(v)
         outs.append(f"{R}/drafts/{v}/load_check.json")
     outs.append(f"{R}/drafts/comparison.csv")
+    if config["forecast"]["enabled"]:
+        outs.append(f"{R}/forecast/forecast.json")
     return outs
 
 
@@ -537,3 +547,16 @@ def synthesized_input(split):
         return [SYNTHESIZED]
 
     return _input
+
+
+# --------------------------------------------------------------------------- speedup forecast
+def forecast_settings():
+    """What defines the forecast: its own section and the draft it stands for (the base
+    config's train type, layers and draft vocabulary, verify's k, the aux layers). Training
+    settings that do not change the draft's shape (epochs, lr, data) do not rerun it."""
+    train, verify = config["train"], config["verify"]
+    value = {**config["forecast"], "draft_type": train["draft_type"], "draft_layers": train["draft_layers"],
+             "draft_vocab_size": train["draft_vocab_size"], "num_speculative_tokens": verify["num_speculative_tokens"],
+             "aux_layer_ids": config["hidden_states"]["aux_layer_ids"]}
+    value.pop("enabled")
+    return json.dumps(value, sort_keys=True)

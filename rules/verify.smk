@@ -143,6 +143,8 @@ rule report:
         overlaps=lambda wc: suite_overlap_files(),
         metrics=f"{R}/drafts/{{variant}}/train_metrics.csv",
         provenance=lambda wc: provenance_chain(wc.variant),
+        # The run's speedup forecast, where it has one: the report places this draft on it.
+        forecast=lambda wc: [f"{R}/forecast/forecast.json"] if config["forecast"]["enabled"] else [],
     output:
         verification=report(f"{R}/drafts/{{variant}}/report/verification.json", category="Verification", labels={"variant": "{variant}", "file": "verification.json"}),
         markdown=report(f"{R}/drafts/{{variant}}/report/report.md", category="Verification", labels={"variant": "{variant}", "file": "report.md"}),
@@ -152,6 +154,7 @@ rule report:
         settings=lambda wc: settings("verify"),
         # The stage instances the draft descends from, and how the variant differs from the base.
         lineage=lambda wc: variant_lineage(wc.variant),
+        forecast=lambda wc, input: f"--forecast {input.forecast}" if input.forecast else "",
         code=code_version("make_report.py"),
     conda:
         CONDA_ENV
@@ -167,7 +170,8 @@ rule report:
         "python {params.script} --settings {params.settings:q} --variant {wildcards.variant}"
         " --lineage {params.lineage:q}"
         " --contract {input.contract} --acceptance {input.acceptance} --metrics {input.metrics}"
-        " --provenance {input.provenance} --overlaps {input.overlaps} --out-dir $(dirname {output.verification})"
+        " --provenance {input.provenance} --overlaps {input.overlaps} {params.forecast}"
+        " --out-dir $(dirname {output.verification})"
         " > {log} 2>&1"
 
 

@@ -30,6 +30,7 @@ from pipeline_lib import cli  # noqa: E402
 from pipeline_lib.errors import run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.forecast.curve import placement  # noqa: E402
 from pipeline_lib.render import render_html, render_markdown  # noqa: E402
 from pipeline_lib.report import (build_sections, evaluate_thresholds, load_metrics, make_plots,  # noqa: E402
                                  measured_from_records, provenance_summary, suites_summary, training_summary,
@@ -48,6 +49,7 @@ def main() -> int:
                    help="JSON: {stage_instances: {stage: directory}, changed_settings: {section.key: value}} "
                         "(rules/common.smk variant_lineage)")
     p.add_argument("--overlaps", nargs="*", default=[], help="eval_suites/<suite>/overlap.json files")
+    p.add_argument("--forecast", help="forecast/forecast.json, when the run has a speedup forecast")
     p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     settings = args.settings
@@ -78,6 +80,8 @@ def main() -> int:
                                  settings, eval_held_out=bool(eval_prompts.get("eval_held_out")),
                                  eval_source=eval_prompts.get("eval")),
         "training": training_summary(metrics, prov_records),
+        "forecast": placement(read_json(args.forecast, "speedup forecast (forecast.json)"), acceptance)
+                    if args.forecast else None,
         "provenance": {"records": prov_rows, "chain": chain},
         "inputs": {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics,
                    "provenance": [str(q) for q in prov_paths]},

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import speedup_curve as sc  # noqa: E402
+from pipeline_lib.forecast import server as server_mod  # noqa: E402
 
 RECORD = json.loads((Path(__file__).parent / "data/guidellm-h200-nodraft-1.json").read_text())["benchmarks"][0]
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -51,7 +52,7 @@ def test_the_metrics_scrape_sums_the_spec_decode_counters(monkeypatch):
         def read(self):
             return METRICS.encode()
 
-    monkeypatch.setattr(sc.urllib.request, "urlopen", lambda url, timeout: Response())
+    monkeypatch.setattr(server_mod.urllib.request, "urlopen", lambda url, timeout: Response())
     got = sc.scrape("http://127.0.0.1:1")
     assert got == {"vllm:spec_decode_num_drafts_total": 300.0, "vllm:spec_decode_num_accepted_tokens_total": 350.0,
                    "vllm:spec_decode_num_draft_tokens_total": 900.0}

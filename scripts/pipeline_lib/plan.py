@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .hidden_states.formats import FORMATS
+from . import dtypes
 from .io import human_bytes
 from .stages import STAGES, plan_instances, trains_online, variant_config
 
@@ -60,6 +61,95 @@ def draft_parameters(hidden: int, vocab: int, draft_vocab: int, layers: int, int
     return 3 * hidden * hidden + layers * per_layer + hidden * draft_vocab + hidden * vocab
 
 
+# Bytes per value of each dtype a stage runs the target in.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _weight_bytes(params: int | None, dtype: str | None) -> int | None:
+    return params * DTYPE_BYTES[dtype] if params and dtype in DTYPE_BYTES else None
+
+
+def _split(n: int | None, gpus: int) -> int | None:
+    return -(-n // max(1, gpus)) if n is not None else None
+
+
+def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str, dict]) -> dict[str, dict]:
+    """GPU memory one GPU of each stage's job holds for weights and training state, as the code
+    runs the stage ({stage: {"bytes_per_gpu", "gpus", "how"}}; bytes None where the target's
+    parameter count is unknown). Not included: vLLM's KV cache (vLLM takes what its
+    gpu_memory_utilization leaves after the weights) and activations (training's grow with
+    train.total_seq_len x ttt_steps x draft_vocab_size). Estimates:
+    - vLLM traces and hidden states: the target in the stage's dtype, split over the job's GPUs
+      by tensor parallel; the transformers backends hold it whole on one GPU;
+    - training (DDP): every trainer GPU holds the whole draft in fp32 (4 B a parameter, plus a
+      gradient and Adam's two moments, 12 B, per trainable one: speculators freezes the copies of
+      the target's embedding and lm_head) and the target's lm_head over the draft vocab (frozen,
+      for the loss), plus, online, the server's share of the target;
+    - verification: the load check and each acceptance engine run on one GPU (no tensor
+      parallel); the speedup keeps two engines up at once (target alone, target + draft), each
+      given 0.45 of the card."""
+    params = shape.get("num_parameters")
+    hidden = shape.get("hidden_size")
+    vocab = shape.get("vocab_size")
+    res = config.get("resources", {})
+
+    def gpus(stage):
+        return int({**(res.get("default") or {}), **(res.get(stage) or {})}.get("gpu") or 0)
+
+    out: dict[str, dict] = {}
+    gen, hs, ver = config["generation"], config["hidden_states"], config["verify"]
+    # Traces compute in generation.dtype (resolved; unset: the target's stored dtype).
+    traces_dtype = gen.get("dtype") or config["target"].get("dtype")
+    n = gpus("traces")
+    if gen.get("backend", "vllm") == "openai":
+        out["traces"] = {"bytes_per_gpu": 0, "gpus": n, "how": "an OpenAI-compatible endpoint serves the target"}
+    elif gen.get("backend", "vllm") == "vllm":
+        out["traces"] = {"bytes_per_gpu": _split(_weight_bytes(params, traces_dtype), n), "gpus": n,
+                         "how": f"target {traces_dtype}, tensor parallel over {max(1, n)} GPU(s)"}
+    else:
+        out["traces"] = {"bytes_per_gpu": _weight_bytes(params, traces_dtype), "gpus": n,
+                         "how": f"target {traces_dtype}, whole on one GPU (transformers)"}
+    n = gpus("hidden_states")
+    if hs.get("mode", "offline") != "online":
+        split = hs.get("backend", "vllm") == "vllm"
+        out["hidden_states"] = {
+            "bytes_per_gpu": _split(_weight_bytes(params, hs.get("dtype")), n if split else 1), "gpus": n,
+            "how": f"target {hs.get('dtype')}, " + (f"tensor parallel over {max(1, n)} GPU(s)" if split
+                                                    else "whole on one GPU (transformers)")}
+    n = gpus("train")
+    train_bytes = None
+    for name in sorted(variants):
+        v = variants[name]
+        t = variant_config(config, name)["train"]
+        if v["draft_parameters"] is None or not hidden:
+            continue
+        # speculators freezes the copies of the target's embedding and lm_head (over the draft vocab).
+        frozen = hidden * (vocab or t["draft_vocab_size"]) + hidden * t["draft_vocab_size"]
+        trainable = v["draft_parameters"] - frozen
+        states = v["draft_parameters"] * 4 + trainable * 12 + hidden * t["draft_vocab_size"] * 4
+        train_bytes = max(train_bytes or 0, states)
+    how = f"the draft's fp32 weights, gradients and Adam state on each of {max(1, n)} trainer GPU(s)"
+    if any(v["hidden_states_mode"] == "online" for v in variants.values()):
+        server = max(1, hs.get("server_gpus") or 0)
+        served = _split(_weight_bytes(params, hs.get("dtype")), server)
+        train_bytes = None if train_bytes is None or served is None else max(train_bytes, served)
+        how += f"; the vLLM server's share of the target on {server} GPU(s)"
+    out["train"] = {"bytes_per_gpu": train_bytes, "gpus": n, "how": how}
+    n = gpus("verify")
+    draft = max((v["draft_parameters"] or 0 for v in variants.values()), default=0)
+    target_v = _weight_bytes(params, ver.get("dtype"))
+    draft_v = draft * DTYPE_BYTES.get(ver.get("dtype"), 4)
+    load_check = _weight_bytes(params, config["target"].get("dtype"))
+    if ver.get("backend", "vllm") == "vllm":
+        need = None if target_v is None or load_check is None else max(2 * target_v + draft_v, load_check + draft_v)
+        how = f"two acceptance engines at once on one GPU (target {ver.get('dtype')}, x2, + draft)"
+    else:
+        need = None if target_v is None or load_check is None else max(target_v + draft_v, load_check + draft_v)
+        how = f"target {ver.get('dtype')} + draft on one GPU (transformers); the load check in vLLM, one GPU"
+    out["verify"] = {"bytes_per_gpu": need, "gpus": n, "how": how}
+    return out
+
+
 def synthesized_entries(prompts: dict[str, Any]) -> list[dict[str, Any]]:
     """The prompts.train entries that read the synthesize stage's requests."""
     train = prompts["train"]
@@ -79,8 +169,14 @@ def train_prompt_count(prompts: dict[str, Any], synthesized: int | None = None) 
     return total
 
 
-def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]:
+def make_plan(config: dict[str, Any], results_dir: str | Path,
+              dtype_resolution: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`dtype_resolution`: what the `auto` dtypes resolved to (pipeline_lib/dtypes.py); without it,
+    the workflow's decision this process inherited, else resolved here."""
     results_dir = Path(results_dir)
+    if dtype_resolution is None:
+        dtype_resolution = dtypes.planned(config)
+    config = dtypes.resolve(config)  # the estimates use the dtype each stage computes in
     plan_cfg = config.get("plan") or {}
     shape = target_shape(config, results_dir)
     hidden = shape.get("hidden_size")
@@ -114,7 +210,9 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
     train_tokens = n_prompts * row_tokens
     n_aux = len(hs["aux_layer_ids"]) if hs.get("aux_layer_ids") else 3
     mode, storage = hs.get("mode", "offline"), hs.get("storage", "bf16")
-    per_token = {name: fmt.bytes_per_token(n_aux + 1, hidden, hs["dtype"]) if hidden else None
+    # Offline files: storage bf16 keeps float32-computed states as bfloat16 (dtypes.hidden_file_dtype).
+    file_dtype = hs["dtype"] if mode == "online" else dtypes.hidden_file_dtype(hs["dtype"])
+    per_token = {name: fmt.bytes_per_token(n_aux + 1, hidden, file_dtype) if hidden else None
                  for name, fmt in FORMATS.items()}
     hs_bytes = None
     if hidden:
@@ -197,10 +295,13 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         "hidden_states_storage": storage,
         "hidden_state_bytes": 0 if mode == "online" else hs_bytes,
         "hidden_state_bytes_per_token": per_token[storage],
+        "hidden_state_bytes_per_token_by_storage": per_token,
         "hidden_state_options": options,
         "variants": variants,
         "checkpoint_bytes_total": ckpt_total,
         "gpu_hours": gpu_hours,
+        "gpu_memory": gpu_memory(config, shape, variants),
+        "dtypes": dtype_resolution,
         "throughput_assumed": throughput,
         "free_disk_bytes": free,
         "fits_disk": estimated_bytes <= free,
@@ -220,7 +321,36 @@ def make_plan(config: dict[str, Any], results_dir: str | Path) -> dict[str, Any]
         else:
             notes.append("no hidden-state option fits: even online training needs "
                          f"{human_bytes(options['online']['disk_bytes'])} for checkpoints")
+    plan["forecast"] = forecast_status(config, Path(results_dir))
     return plan
+
+
+def forecast_status(config: dict[str, Any], results_dir: Path) -> dict[str, Any]:
+    """The speedup forecast's file, and once it exists its break-even tau per concurrency."""
+    path = results_dir / "forecast" / "forecast.json"
+    status: dict[str, Any] = {"path": str(path), "enabled": bool((config.get("forecast") or {}).get("enabled")),
+                              "exists": path.exists()}
+    if status["exists"]:
+        try:
+            record = json.loads(path.read_text())
+            status.update(break_even=record.get("break_even"), is_forecast=record.get("is_forecast"),
+                          accelerator=(record.get("accelerator") or {}).get("model"))
+        except (OSError, ValueError) as err:  # a plan never fails on a record it only reports
+            status["error"] = f"{path}: unreadable ({err})"
+    return status
+
+
+def forecast_lines(f: dict[str, Any]) -> list[str]:
+    from .forecast.curve import break_even_text
+
+    if not f["exists"]:
+        how = "in the default target (forecast.enabled)" if f["enabled"] else f"not enabled: snakemake {f['path']}"
+        return [f"  speedup forecast: {f['path']} not built yet ({how})"]
+    if f.get("error"):
+        return [f"  speedup forecast: {f['error']}"]
+    be = ", ".join(f"{n} in flight {break_even_text(v)}" for n, v in (f.get("break_even") or {}).items())
+    kind = f"on {f['accelerator']}" if f.get("is_forecast") else "NOT a forecast (measured on a CPU)"
+    return [f"  speedup forecast ({f['path']}, {kind}): break-even tau {be}"]
 
 
 def option_name(mode: str, storage: str) -> str:
@@ -272,6 +402,11 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"    {rule:<22} x{n:<5} {r.get('threads')} / {r.get('mem_mb')} / {r.get('runtime')} / {r.get('gpu')}")
     s = plan["target_shape"]
     lines.append(f"  target: hidden {s.get('hidden_size')}, layers {s.get('num_hidden_layers')}, vocab {s.get('vocab_size')}")
+    if plan.get("dtypes"):
+        cpu = plan["dtypes"].get("cpu") or {}
+        lines.append("  compute dtypes (auto: bfloat16 on a GPU; on a CPU bfloat16 only with native bf16; this CPU's bf16: "
+                     + ("native" if cpu.get("native") else "emulated") + f", {cpu.get('basis')}):")
+        lines += [f"    {line}" for line in dtypes.describe(plan["dtypes"])]
     lines.append(f"  traces: {plan['prompts']} prompts, <= {plan['trace_completion_tokens_max']:,} generated tokens")
     if plan["hidden_states_mode"] == "online":
         lines.append(f"  hidden states: online (a vLLM server in each training job), <= {plan['train_tokens_max']:,} "
@@ -279,6 +414,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     else:
         lines.append(f"  hidden states: <= {plan['train_tokens_max']:,} tokens x {human_bytes(plan['hidden_state_bytes_per_token'])}/token"
                      f" = {human_bytes(plan['hidden_state_bytes'])} ({plan['hidden_states_storage']})")
+    by_storage = [f"{o['storage']} {human_bytes(o['hidden_state_bytes'])} ({human_bytes(plan['hidden_state_bytes_per_token_by_storage'][o['storage']])}/token)"
+                  for o in plan["hidden_state_options"].values() if o["mode"] == "offline"]
+    lines.append("  hidden states by storage: " + ", ".join(by_storage))
     lines.append("  hidden-state options (disk with margin + checkpoints / GPU-hours in total):")
     for name, o in plan["hidden_state_options"].items():
         mark = " <- configured" if name == option_name(plan["hidden_states_mode"], plan["hidden_states_storage"]) else ""
@@ -291,8 +429,20 @@ def format_plan(plan: dict[str, Any]) -> str:
     synthesis = f"synthesize {g['synthesize']}, " if "synthesize" in g else ""
     lines.append(f"  GPU-hours: {synthesis}traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}"
                  f" (at {plan['throughput_assumed']})")
+    on_gpu = {stage: m for stage, m in plan["gpu_memory"].items() if m["gpus"]}
+    if not on_gpu:
+        lines.append("  GPU memory: none, every stage runs on CPU (resources.<stage>.gpu: 0)")
+    else:
+        lines.append("  GPU memory per GPU, weights and training state only (KV cache and activations on top)"
+                     + ("" if plan["target_shape"].get("num_parameters") else
+                        "; the target's size is unknown until it is materialized (or set "
+                        "plan.target_shape.num_parameters)") + ":")
+        for stage, m in plan["gpu_memory"].items():
+            size = human_bytes(m["bytes_per_gpu"]) if m["gpus"] else "CPU"
+            lines.append(f"    {stage:<14} {size:>9}  ({m['how'] if m['gpus'] else 'resources.' + stage + '.gpu: 0'})")
     lines.append(f"  disk: {human_bytes(plan['free_disk_bytes'])} free under results/ -> "
                  + ("fits" if plan["fits_disk"] else "DOES NOT FIT"))
+    lines += forecast_lines(plan["forecast"])
     for note in plan["notes"]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -3,10 +3,10 @@ returns its Sections (pipeline_lib.render turns them into Markdown and HTML)."""
 from __future__ import annotations
 
 from ..render import Section
-from . import acceptance, contract, headline, lineage, provenance, suites, throughput, training, verdict
+from . import acceptance, contract, forecast, headline, lineage, provenance, suites, throughput, training, verdict
 
 # What a user reads first, then the details.
-SECTIONS = [headline, verdict, suites, acceptance, throughput, contract, training, lineage, provenance]
+SECTIONS = [headline, verdict, suites, acceptance, throughput, forecast, contract, training, lineage, provenance]
 
 
 def build_sections(result: dict, plots: dict[str, str]) -> list[Section]:

