@@ -139,6 +139,17 @@ def measure_arm(server_args: dict, arm: str, tau_set: float | None, s: dict, dat
         print(f"[forecast] {tag}: server failed: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
 
 
+def tensor_parallel_args(on_gpu: bool) -> list[str]:
+    """The target over every GPU the job was given (resources.forecast.gpu; run_on_gpus.py sets
+    CUDA_VISIBLE_DEVICES), as it is served: a target that needs 8 GPUs is forecast on 8."""
+    if not on_gpu:
+        return []
+    import torch
+
+    n = torch.cuda.device_count()
+    return ["--tensor-parallel-size", str(n)] if n > 1 else []
+
+
 def flag_impossible(points: list[dict]) -> None:
     """A per-user gain above the tau counted (5% margin) is impossible for a draft: each verify
     step emits at most the accepted tokens plus one. Such a point is not measured."""
@@ -171,7 +182,7 @@ def main() -> int:
     started = time.time()
     common = dict(target=args.target, dtype=s["dtype"], max_model_len=s["max_model_len"],
                   load_format="dummy" if dummy else None, max_num_seqs=max(s["concurrency"]),
-                  enforce_eager=not on_gpu)
+                  enforce_eager=not on_gpu, extra_args=tensor_parallel_args(on_gpu))
     # Synthetic acceptance needs vLLM's GPU sampler; a trained --draft is measured as it accepts.
     synthetic = on_gpu and args.draft is None
     draft = args.draft or draft_dir(s, args.target, work, with_weights=not dummy)
