@@ -43,6 +43,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+# Extraction filters came with Python 3.11.4 (Debian 12's python3 is 3.11.2, a GPU node's may be
+# older): use the data filter where it exists; every member is checked by digest either way.
+DATA_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
 TOOL = "eagle3-offline-bundle"
 TOOL_VERSION = 1
 CHUNK = 1 << 20
@@ -508,7 +512,7 @@ def extract(folder: Path, manifest: dict, dest: Path) -> None:
             stream = lzma.LZMAFile(stream, "rb")
         with tarfile.open(fileobj=stream, mode="r|") as tar:
             for member in tar:
-                tar.extract(member, tmp, filter="data")
+                tar.extract(member, tmp, **DATA_FILTER)
         expected = {f["path"]: f for f in manifest["files"]}
         present = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
         problems = [f"{p}: in the archive but not in the manifest" for p in sorted(present - set(expected))]
@@ -592,7 +596,7 @@ def unpack_sdist(archive: Path, root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".partial-") as tmp:
         with tarfile.open(archive) as tar:
-            tar.extractall(tmp, filter="data")
+            tar.extractall(tmp, **DATA_FILTER)
         (top,) = Path(tmp).iterdir()
         top.rename(dest)
 
