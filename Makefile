@@ -1,7 +1,8 @@
 # The two commands a newcomer needs:
 #   make demo   build the environment (first time: a few minutes), then run the whole
 #               pipeline on the demo default (config.yaml) -> results/smollm2-135m-demo/
-#   make test   same environment plus SLURM (apt, once), then the test suite (what CI runs)
+#   make test   same environment, then the test suite as this user; at the end it names the tests
+#               that need root and did not run, and `sudo make test-root` runs them (CI runs all)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SNAKEMAKE := $(VENV)/bin/snakemake
@@ -10,7 +11,7 @@ PYTEST_ARGS ?=
 # Rules call `python`: make it the venv's.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: env slurm demo unlock test test-portable lint dry-run plan check-provenance docs
+.PHONY: env slurm demo unlock test test-root test-portable lint dry-run plan check-provenance docs
 
 env:
 	@bash scripts/setup_env.sh $(VENV)
@@ -40,25 +41,52 @@ export LOCK_HINT
 slurm:
 	@bash .ci/install_slurm.sh
 
-# Two test workers (pytest-xdist), one test file (or the group of files sharing the e2e run) at a
-# time each: most of a test's time is one process on one core (Python and Snakemake start-up, a
-# one-thread vLLM engine), so two at once keep both cores busy. TEST_WORKERS=0: one process.
+# Tests that need root: the SLURM cluster test (it starts slurmctld, slurmd, munged, slurmdbd and
+# MariaDB and writes /etc/slurm) and the full-disk tests (they mount a small tmpfs); and one that
+# needs only SLURM's scontrol; marked needs_root at collection (tests/conftest.py).
+# ROOT_TESTS=auto (the default): `make test` installs SLURM where it runs as root with apt, runs
+# those tests where they can run, and skips them elsewhere, naming them at the end with their
+# count and the command that runs them.
+# ROOT_TESTS=require (CI, and wherever CI=true): SLURM must install and those tests must run; one
+# that cannot fails.
+ROOT_TESTS ?= $(if $(filter true,$(CI)),require,auto)
+
+# Two test workers (pytest-xdist), one unit at a time each: a test file, or the tests that use the
+# shared e2e run, as one unit, so that run is built once (tests/conftest.py). Most of a test's time
+# is one process on one core (Python and Snakemake start-up, a one-thread vLLM engine), so two at
+# once keep both cores busy. The numerics tests' second run, with the CPU kernels capped to AVX2,
+# is one test of the suite (tests/test_portable_numerics.py), started right away on the worker
+# that does not build the e2e run. TEST_WORKERS=0: one process.
 # --timeout: a test that hangs fails after 20 minutes instead of holding the run.
 TEST_WORKERS ?= 2
-test: env slurm
+test: env
+	@if [ "$(ROOT_TESTS)" = require ]; then bash .ci/install_slurm.sh; \
+	elif [ "$$(id -u)" != 0 ]; then echo "[test] not root: no SLURM install; the tests that need root are named at the end"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "[test] no apt-get: no SLURM install; if SLURM is missing, its tests are named at the end"; \
+	else bash .ci/install_slurm.sh || echo "[test] the SLURM install failed: its tests are named at the end"; fi
 	@echo "[test] running the test suite (tests/) on $(TEST_WORKERS) workers"
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder --timeout 1200 $(PYTEST_ARGS)
-	@$(MAKE) --no-print-directory test-portable
+	@not_run=$$(mktemp); \
+	echo "$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder --timeout 1200 $(PYTEST_ARGS)"; \
+	PIPELINE_ROOT_TESTS=$(ROOT_TESTS) PIPELINE_NOT_RUN_FILE=$$not_run \
+	  $(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder --timeout 1200 $(PYTEST_ARGS); \
+	status=$$?; cat $$not_run; rm -f $$not_run; exit $$status
+
+# The tests `make test` could not run as an ordinary user (those that need root), alone:
+# `sudo make test-root` after `make test`. Installs SLURM first (apt, once); a test that still
+# cannot run fails. No pytest cache or bytecode is written into the checkout as root.
+test-root: env slurm
+	@echo "[test] the tests that need root: the SLURM cluster and the full disks"
+	PIPELINE_ROOT_TESTS=require PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest tests -m needs_root -n 0 \
+	  -p no:cacheprovider --timeout 1200 $(PYTEST_ARGS)
 
 # The tests marked `numerics` (they assert figures of trained drafts, which follow the CPU's
 # kernel path: AMX, AVX512-BF16 or AVX2 bf16 matmuls round differently) once more on a narrower
 # path than the machine's own: torch, oneDNN and vLLM's CPU kernels all capped to AVX2
-# (tests/kernel_path/sitecustomize.py). Each prints the figures it compared at the end.
-PORTABLE_ENV := PIPELINE_TEST_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-	PYTHONPATH=$(abspath tests/kernel_path)
+# (tests/kernel_path/sitecustomize.py). `make test` runs this as one of its tests; this target
+# runs it alone. It ends with the figures those tests compared.
 test-portable: env
 	@echo "[test] the numerics tests again, CPU kernels capped to AVX2"
-	$(PORTABLE_ENV) $(PY) -m pytest tests -m numerics -n 0 --timeout 1200 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/test_portable_numerics.py -n 0 -rs --timeout 3100 $(PYTEST_ARGS)
 
 lint: env
 	$(SNAKEMAKE) --lint

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs what tests/test_slurm.py needs to run a real single-node SLURM cluster on this box:
+# Installs what tests/test_slurm.py needs to run a real single-node SLURM cluster on this machine:
 # Debian's slurmctld + slurmd + slurm-client (SLURM 22.05 on Debian 12) and munge, plus
 # slurmdbd and mariadb-server for accounting (what makes `sacct`, the SLURM executor plugin's
 # default status command, work).
-# Idempotent: does nothing when every binary is already there. Needs root (CI runs as root).
+# Idempotent: does nothing when every binary is already there. Needs root (CI runs as root) and
+# apt (Debian/Ubuntu). `make test` runs it only as root or under ROOT_TESTS=require (CI);
+# `make slurm` and `make test-root` run it.
 # It only installs: the test writes /etc/slurm/*.conf, makes a private database and
 # starts/stops the daemons itself (no service is started here).
 set -euo pipefail
@@ -26,7 +28,7 @@ echo "[install_slurm] missing: ${missing[*]}; installing ${packages[*]}"
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "[install_slurm] ERROR: SLURM is not installed and installing it needs root (apt-get):" \
-         "run 'sudo bash .ci/install_slurm.sh' once, then 'make test' again" >&2
+         "run 'sudo make slurm' once, or 'sudo make test-root' (it installs SLURM, then runs the tests that need root)" >&2
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive

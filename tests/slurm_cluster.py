@@ -6,9 +6,12 @@ in the foreground as a child of the test process, so it is stopped by its own pi
 advertises two fake GPUs (character-device clones of /dev/null), enough for SLURM to hand out
 gres/gpu and set CUDA_VISIBLE_DEVICES. Facts behind each choice: shared notes, slurm-local.md.
 
-Nothing is skipped: missing binaries or no root make the test FAIL with what to do, since CI
-installs SLURM with .ci/install_slurm.sh. Every wait is bounded; on the way out every job is
-cancelled and every daemon this module started is stopped, even when the test failed."""
+It needs root and SLURM's binaries: where either is missing, the tests that use it are skipped
+before it starts, each with the reason, and the end of `make test` names them with the command
+that runs them (`sudo make test-root`); under ROOT_TESTS=require (CI, which installs SLURM with
+.ci/install_slurm.sh as root) they fail instead (tests/conftest.py: needs_root). Every wait is
+bounded; on the way out every job is cancelled and every daemon this module started is stopped,
+even when the test failed."""
 from __future__ import annotations
 
 import os
@@ -35,7 +38,7 @@ MUNGE_SOCKET_DIR = Path("/run/munge")
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")  # start order
 BINARIES = ("munge", "unmunge", "munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
             "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "sacctmgr")
-INSTALL_HINT = ("run `bash .ci/install_slurm.sh` as root (CI's .ci/run does) to install slurmctld, slurmd, "
+INSTALL_HINT = ("run `make slurm` as root (CI's .ci/run does) to install slurmctld, slurmd, "
                 "slurmdbd, slurm-client, munge and mariadb-server")
 
 PARTITION = "pipelinetest"
@@ -47,7 +50,7 @@ MIN_JOB_AGE_S = 1800   # squeue (and scontrol, which the tests ask) keep finishe
 SLURMDBD_PORT = 6819   # SLURM's default
 DB_USER, DB_NAME = "slurm", "slurm_acct_db"
 # A cluster-wide count of 2: jobs asking for it (`--licenses=vllm`) run at most two at a time,
-# queued by SLURM itself, as GPU jobs would on a node with two GPUs (the box's 2 cores take two
+# queued by SLURM itself, as GPU jobs would on a node with two GPUs (a 2-core machine takes two
 # one-thread vLLM engines; the tests' configs give every stage one thread).
 LICENSE, LICENSE_COUNT = "vllm", 2
 
@@ -56,8 +59,12 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin")
 
 
+def missing_binaries() -> list[str]:
+    return [b for b in BINARIES if _which(b) is None]
+
+
 def require_slurm() -> None:
-    missing = [b for b in BINARIES if _which(b) is None]
+    missing = missing_binaries()
     if missing:
         pytest.fail(f"SLURM is not installed here (missing: {', '.join(missing)}); {INSTALL_HINT}", pytrace=False)
     if os.geteuid() != 0:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import PY, SCRIPTS, run_script, run_snakemake
+from conftest import PY, SCRIPTS, numerics_only, run_script, run_snakemake
 from test_rebuilds import COMPARE, draft_jobs, hidden_state_jobs, instance_dirs, job
 from test_train import build_tokenized
 from test_workflow import planned_job_set
@@ -52,7 +52,7 @@ TOL_FP8_REL = 0.06       # per-token relative L2 error of dequantized fp8 vs bf1
 # Each variant against the e2e (offline bf16) draft: same data, seed and eval prompts. The e2e
 # draft trains to saturation (5 epochs: validation accuracy 1.0 / 0.95 / 0.9, mean acceptance
 # length 3.94-4.0 over seeds 0-2 on two CPU kernel paths: bench/results/kernel-paths-*.json), and
-# so do both variants: on the CPU box (2026-12-04, AVX512-BF16) fp8 and online measured the same
+# so do both variants: on a 2-core x86-64 CPU machine (2026-12-04, AVX512-BF16) fp8 and online measured the same
 # figures as offline bf16 to the last digit. At 2 epochs the same draft sat on the steep part of
 # its learning curve, where a CPU's kernel path or the seed alone moved acceptance from 1.68 to
 # 2.33 (position 1's rate 0.09-0.33): a guard tuned on one machine failed on another (an AMX
@@ -172,8 +172,10 @@ def run(tiny_target, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def variants(e2e, tmp_path_factory) -> dict:
-    """The e2e run, copied, with the fp8 and online variants added and run through Snakemake."""
+def variants(request, e2e, tmp_path_factory) -> dict:
+    """The e2e run, copied, with the fp8 and online variants added and run through Snakemake.
+    In a session of numerics tests only (the run capped to AVX2), up to each draft's training
+    and acceptance, the figures compared: no load checks, contract checks or reports."""
     work = tmp_path_factory.mktemp("variants") / "w"
     shutil.copytree(e2e.work, work, symlinks=True)
     r = work / "results" / e2e.config["run_name"]
@@ -182,7 +184,9 @@ def variants(e2e, tmp_path_factory) -> dict:
     # Offline checkpoints where the online draft trains: another mode is another trajectory,
     # so training must move them aside, never resume from them.
     shutil.copytree(r / "drafts" / "default" / "checkpoints", r / "drafts" / "online" / "checkpoints", symlinks=True)
-    proc = run_snakemake(work, cfg)
+    targets = ([f"results/{cfg['run_name']}/drafts/{variant}/verify/acceptance.json" for variant in VARIANTS]
+               if numerics_only(request.session) else [])
+    proc = run_snakemake(work, cfg, *targets)
     hs = instance_dirs(cfg, "fp8")["hidden_states"]
     return {"work": work, "r": r, "cfg": cfg, "log": proc.stdout + proc.stderr,
             "pipe": {"target": r / "target" / "model", "target_manifest": r / "target" / "manifest.json",

@@ -3,7 +3,7 @@
 Every job goes through sbatch/srun; of the shipped profile only the partition/account
 placeholders and the first status-check delay are replaced (and the plugin's growing wait
 between status checks is capped at a few seconds: tests/slurm_snakemake.py), and the vLLM stages ask for one of the
-cluster's two `vllm` licenses, so SLURM runs at most two at a time (the box's 2 cores take two
+cluster's two `vllm` licenses, so SLURM runs at most two at a time (a 2-core machine takes two
 one-thread vLLM engines; with two OpenMP threads each they spin against each other). The cluster has accounting (slurmdbd), so the pipeline's runs use
 the profile's `sacct` status command, the plugin's default; the throwaway workflow and the
 preemption use `squeue`, the profile's documented choice without slurmdbd.
@@ -21,8 +21,9 @@ runs (each mostly waits on SLURM's status polls and its jobs' start-up):
     SLURM job is cancelled with `scancel` after some epochs, the rerun resumes after the last
     saved epoch.
 The local reference is the session's e2e run (conftest.e2e): the same Snakefile and config,
-profiles/default. SLURM is never skipped: without it these tests fail and say to run
-.ci/install_slurm.sh."""
+profiles/default. The cluster needs root and SLURM installed: elsewhere these tests are skipped
+and named, with their count and `sudo make test-root`, at the end of `make test`; in CI
+(ROOT_TESTS=require) a missing SLURM or root fails them (tests/conftest.py: needs_root)."""
 from __future__ import annotations
 
 import copy
@@ -63,7 +64,7 @@ DETERMINISTIC = ["target/model", "target/manifest.json", "prompts/train.jsonl", 
                  "hidden_states/data", "hidden_states/manifest.json", "drafts/default/final",
                  "drafts/default/untrained"]
 # The preemption: a variant long enough to be cancelled mid-training (an epoch takes ~0.5 s
-# alone on the box, ~1 s next to the pipeline's jobs).
+# alone on a 2-core machine, ~1 s next to the pipeline's jobs).
 PREEMPT_VARIANT, PREEMPT_EPOCHS, CANCEL_AFTER_EPOCH = "preempt", 16, 2
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 
