@@ -41,6 +41,7 @@ import pytest
 
 from conftest import PY, REPO, write_config
 from pipeline_lib.digests import path_digest
+from pipeline_lib import dtypes  # noqa: E402
 from slurm_cluster import NUM_GPUS, PARTITION, BoundedRun, make_test_profile, run, slurm_cluster  # noqa: F401
 
 RUN_TIMEOUT_S = 900
@@ -230,6 +231,11 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     # The e2e run's one thread per stage, plus a GPU for each GPU stage.
     config["resources"] = {stage: {**config["resources"].get(stage, {}), **GPU_RESOURCES.get(stage, {})}
                            for stage in config["resources"].keys() | GPU_RESOURCES.keys()}
+    # Those "GPU" stages run on this machine's CPUs: pin each dtype to what the local run resolved
+    # (auto would give a stage that asks for a GPU bfloat16), so that both runs compute alike.
+    for section, entry in dtypes.resolution(copy.deepcopy(e2e.config)).items():
+        if section != "cpu" and entry.get("dtype"):
+            config[section] = {**config[section], "dtype": entry["dtype"]}
     upstream_dir = root / "pipeline-upstream"
     upstream_cfg = write_config(upstream_dir, config)
     slurm_dir = root / "pipeline-slurm"
