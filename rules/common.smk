@@ -37,6 +37,7 @@ DTYPE_RESOLUTION = dtypes.resolve_in_place(config)
 # through the input functions below, by the wildcard that names the directory.
 with open(Path(workflow.basedir) / "schemas/config.schema.yaml") as _schema:
     stages.check_variants(config, yaml.safe_load(_schema))
+stages.check_verify(config)
 LINEAGE, STAGE_INSTANCES = stages.plan_instances(config)
 
 # Jobs that only move or summarise files run on the submitting host, even under SLURM.

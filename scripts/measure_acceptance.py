@@ -27,7 +27,7 @@ Settings (config.yaml `verify`): backend (vllm | transformers), num_speculative_
 num_prompts (null = all), max_tokens, dtype (float32 on CPU: greedy equality is exact only
 in fp32), concurrency_one_prompts, untrained_prompts (null = all), reasoning_parser, batch_size
 (transformers backend: prompts per batched pass), speedup_rounds, speedup_batch_prompts,
-speedup_tolerance; optional
+speedup_tolerance (speedup_rounds 0: no speedup measured); optional
 chat_template_kwargs and trust_remote_code.
 """
 from __future__ import annotations
@@ -121,17 +121,20 @@ def main() -> int:
         backend = acc.BACKENDS[settings["backend"]]
         runs, notes = backend.drafts(spec, engine_script=str(Path(__file__).resolve()))
         runs["no_draft"] = no_draft
-        try:  # the acceptance numbers stand without the speedup: a failed round is its own "not measured"
-            rounds, cost = backend.speedup(spec, engine_script=str(Path(__file__).resolve()))
-        except acc.BackendFailure as fail:
-            print(f"[acceptance] {fail.run}: {fail.message}", file=sys.stderr)
-            rounds, cost = [], {"error": scrub(f"{fail.run}: {fail.message}")}
+        if not spec.speedup_rounds:  # asked for none: no engines started for it
+            rounds, cost = [], {"not_asked": "verify.speedup_rounds is 0"}
+        else:
+            try:  # the acceptance numbers stand without the speedup: a failed round is its own "not measured"
+                rounds, cost = backend.speedup(spec, engine_script=str(Path(__file__).resolve()))
+            except acc.BackendFailure as fail:
+                print(f"[acceptance] {fail.run}: {fail.message}", file=sys.stderr)
+                rounds, cost = [], {"error": scrub(f"{fail.run}: {fail.message}")}
         trained = runs["trained"].global_block or acc.steps_block(
             [s for r in runs["trained"].records for s in acc.request_steps(r)], spec.num_speculative_tokens)
         throughput = acc.throughput(
             rounds, {s: trained["mean_acceptance_length"] for s in ("batch", "concurrency_1")},
             settings["speedup_tolerance"], {"batch": len(spec.speedup_batch), "concurrency_1": len(spec.concurrency_one)},
-            cost.get("error"))
+            cost.get("error") or cost.get("not_asked"))
         body = {"status": "ok", "error": None,
                 **acc.assemble(spec, settings["backend"], runs, notes, marker_or_reason if end_id is not None else None,
                                throughput)}

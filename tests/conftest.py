@@ -552,12 +552,15 @@ def numerics_only(session) -> bool:
 def e2e(request, tmp_path_factory, reasoning_target) -> E2ERun:
     """One complete local run of the whole chain (profiles/default) on the reasoning target,
     with fake secrets in the environment that must never appear in any file it writes. In a
-    session of numerics tests only, up to the report (no load check: no figure comes from it)."""
+    session of numerics tests only, up to the report (no load check: no figure comes from it)
+    and without speedup rounds (verify.speedup_rounds 0)."""
     reuse = os.environ.get("EAGLE3_E2E_WORKDIR")
     work = Path(reuse) if reuse else tmp_path_factory.mktemp("e2e")
     cfg = base_test_config(reasoning_target)
     targets = ([f"results/{cfg['run_name']}/drafts/{variant}/report/verification.json" for variant in cfg["variants"]]
                if numerics_only(request.session) else [])
+    if targets:  # no numerics test reads a speedup (a clock reading): its rounds are not run
+        cfg["verify"]["speedup_rounds"] = 0
     saved = {k: os.environ.get(k) for k in E2E_SECRETS}
     os.environ.update(E2E_SECRETS)
     try:

@@ -35,6 +35,10 @@ def config(tiny_target, variants=None, **verify) -> dict:
     cfg["variants"] = variants or VARIANTS
     # Accepting nothing is a result here, not a build failure: the types are compared, not graded.
     cfg["verify"]["thresholds"] = {}
+    # Compared by acceptance: no speedup rounds (their engines would double each acceptance job),
+    # and one shard per stage (the shards' own tests are elsewhere; each shard starts an engine).
+    cfg["verify"]["speedup_rounds"] = 0
+    cfg["generation"]["num_shards"] = cfg["hidden_states"]["num_shards"] = 1
     cfg["verify"].update(verify)
     return cfg
 
@@ -89,6 +93,11 @@ def test_each_type_is_trained_loaded_checked_and_measured_in_vllm(chain, variant
     assert acceptance["status"] == "ok"
     trained = acceptance["acceptance"]["trained"]
     assert trained["num_drafts"] > 0 and trained["mean_acceptance_length"] >= 1.0
+    # verify.speedup_rounds 0: no speedup engines started, and the record says why.
+    assert acceptance["timing"]["speedup_engines"] == {"not_asked": "verify.speedup_rounds is 0"}
+    assert acceptance["throughput"]["speedup"] is None
+    assert acceptance["throughput"]["speedup_not_measured"] == "no speedup rounds ran (verify.speedup_rounds is 0)"
+    assert "[speedup]" not in (chain / f"logs/acceptance/{variant}.log").read_text()
 
     report = read(chain / f"drafts/{variant}/report/verification.json")
     assert report["training"]["draft_type"] == kind

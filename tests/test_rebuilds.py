@@ -113,8 +113,9 @@ def rebuild_config(tiny_target: Path, prompts: Path) -> dict:
     cfg["train"].update(epochs=1, total_seq_len=256)
     # An untrained-for-long draft on a random target: the rebuild cases are about which jobs
     # run, so a missed acceptance threshold must not fail the build here.
+    # No speedup rounds either: which jobs run is the point, not how fast they decode.
     cfg["verify"].update(backend="transformers", num_prompts=4, max_tokens=16, concurrency_one_prompts=0,
-                         fail_below_threshold=False)
+                         speedup_rounds=0, fail_below_threshold=False)
     return cfg
 
 

@@ -236,6 +236,9 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     for section, entry in dtypes.resolution(copy.deepcopy(e2e.config)).items():
         if section != "cpu" and entry.get("dtype"):
             config[section] = {**config[section], "dtype": entry["dtype"]}
+    # Its acceptance is compared with the local run's (acceptance, spans, verdict), never its
+    # speed: no speedup rounds, whose two engines would double the acceptance job.
+    config["verify"] = {**config["verify"], "speedup_rounds": 0}
     upstream_dir = root / "pipeline-upstream"
     upstream_cfg = write_config(upstream_dir, config)
     slurm_dir = root / "pipeline-slurm"

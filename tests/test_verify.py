@@ -705,6 +705,47 @@ def test_speedup_without_rounds_is_not_measured_with_the_reason_in_the_first_tab
                         "(no speedup rounds ran (speedup:with_draft: RuntimeError: out of memory))", ""]
 
 
+@pytest.mark.parametrize("rounds, ok", [(0, True), (1, False), (2, True), (-1, False), (2.5, False)])
+def test_speedup_rounds_is_none_or_two_and_more(rounds, ok):
+    """0 asks for no speedup (acceptance only); one round has no interval, so 1 is refused by
+    the schema (before any job) and by the job itself, naming the setting."""
+    from conftest import base_test_config, with_defaults
+    from pipeline_lib.acceptance.job import effective_settings
+    from pipeline_lib.errors import PipelineError
+
+    def schema_ok():
+        config = base_test_config(Path("target"))
+        config["verify"]["speedup_rounds"] = rounds
+        try:
+            with_defaults(config)
+            return True
+        except Exception as e:  # snakemake's WorkflowError, naming the key
+            assert "speedup_rounds" in str(e), e
+            return False
+
+    assert schema_ok() == ok
+    if ok:
+        assert effective_settings({"speedup_rounds": rounds})["speedup_rounds"] == rounds
+    else:
+        with pytest.raises(PipelineError, match=r"verify\.speedup_rounds = .*must be 0 \(no speedup measured\)"):
+            effective_settings({"speedup_rounds": rounds})
+
+
+def test_a_speedup_bar_without_speedup_rounds_is_refused_at_plan_time(tmp_path, tiny_target):
+    """min_speedup with speedup_rounds 0 would fail every report after the whole run: the dry
+    run refuses it, naming both settings."""
+    from conftest import base_test_config
+
+    config = base_test_config(tiny_target)
+    config["verify"]["speedup_rounds"] = 0
+    config["verify"]["thresholds"]["min_speedup"] = 1.0
+    proc = run_snakemake(tmp_path, config, "-n", check=False)
+    assert proc.returncode != 0
+    assert "verify.thresholds.min_speedup is set while verify.speedup_rounds is 0" in proc.stdout + proc.stderr
+    del config["verify"]["thresholds"]["min_speedup"]
+    assert run_snakemake(tmp_path, config, "-n", check=False).returncode == 0
+
+
 def test_speedup_rounds_alternate_and_the_test_load_hits_one_arm(monkeypatch):
     """An untimed warm-up round, then round 1 without and with the draft, round 2 the other way round; the test hook loads
     exactly the arm it names, with real busy processes (seen by the arm as a slower clock)."""

@@ -168,6 +168,15 @@ def changed_settings(config: dict, name: str) -> dict[str, Any]:
     return out
 
 
+def check_verify(config: dict) -> None:
+    """Verify settings that contradict each other, refused before any job runs."""
+    verify = config.get("verify") or {}
+    if verify.get("speedup_rounds") == 0 and (verify.get("thresholds") or {}).get("min_speedup") is not None:
+        raise PipelineError("verify.thresholds.min_speedup is set while verify.speedup_rounds is 0 (no speedup "
+                            "measured): every report would fail that bar. Set speedup_rounds to 2 or more, or "
+                            "remove min_speedup")
+
+
 def check_variants(config: dict, schema: dict) -> None:
     """Validate each variant's merged config against the config schema (no defaults filled:
     the base config already has them), naming the variant and the key on error."""

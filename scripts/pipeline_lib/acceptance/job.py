@@ -56,9 +56,9 @@ def effective_settings(given: dict) -> dict:
                                                or s["untrained_prompts"] < 1):
         raise PipelineError(f"setting verify.untrained_prompts = {s['untrained_prompts']!r}: must be null "
                             f"(all eval prompts) or an integer >= 1")
-    if not isinstance(s["speedup_rounds"], int) or s["speedup_rounds"] < 2:
-        raise PipelineError(f"setting verify.speedup_rounds = {s['speedup_rounds']!r}: must be an integer >= 2 "
-                            f"(the speedup's interval is over rounds)")
+    if not isinstance(s["speedup_rounds"], int) or s["speedup_rounds"] < 0 or s["speedup_rounds"] == 1:
+        raise PipelineError(f"setting verify.speedup_rounds = {s['speedup_rounds']!r}: must be 0 (no speedup "
+                            f"measured) or an integer >= 2 (the speedup's interval is over rounds)")
     if s["dtype"] not in ("float32", "bfloat16", "float16"):
         raise PipelineError(f"setting verify.dtype = {s['dtype']!r}: use float32, bfloat16 or float16")
     return s
