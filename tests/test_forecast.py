@@ -123,3 +123,27 @@ def test_enabled_forecast_joins_the_default_target_and_feeds_the_report(tmp_path
     test_config["forecast"] = {"enabled": False}
     out = run_snakemake(tmp_path, test_config, "-n", "-p").stdout
     assert "rule forecast:" not in out and "--forecast" not in out
+
+
+@pytest.mark.parametrize("shape, draft_type", [("qwen3-32b", "eagle3"), ("qwen3-14b", "peagle"),
+                                               ("llama-3.1-8b", "eagle3")])
+def test_draft_config_is_the_trainers_layer_and_vllm_reads_it(tmp_path, tiny_target, shape, draft_type):
+    """The forecast's draft has the decoder layer speculators' trainer builds for the type (its
+    defaults), not a copy of the target's config: Qwen3's per-layer `layer_types` (64 entries for
+    1 draft layer) made vLLM refuse every draft arm on an H100 (2026-12-06). vLLM's own
+    speculators-config reader accepts what is written."""
+    from speculators.train.cli import create_transformer_layer_config
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig as VllmSpeculatorsConfig
+
+    from pipeline_lib.forecast import shapes
+
+    target = shapes.write_reference_target(shape, tiny_target, tmp_path / "target")
+    draft = shapes.write_draft_config(target, tmp_path / "draft", draft_type, 1, 32000, 3)
+    layer = json.loads((draft / "config.json").read_text())["transformer_layer_config"]
+    want = create_transformer_layer_config(str(target), 1, "llama" if draft_type == "eagle3" else "qwen3",
+                                           "silu", 2048, [], True).to_dict()
+    assert layer["num_hidden_layers"] == len(layer["layer_types"]) == 1
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "layer_types", "sliding_window"):
+        assert layer[key] == want[key], key
+    VllmSpeculatorsConfig.from_pretrained(str(draft))  # raises on a config vLLM would refuse

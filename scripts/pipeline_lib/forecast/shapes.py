@@ -81,14 +81,19 @@ def write_draft_config(target: Path, out: Path, draft_type: str, draft_layers: i
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.config.schema import DraftArgs
     from transformers import AutoConfig
 
     verifier = AutoConfig.from_pretrained(target)
     text = getattr(verifier, "text_config", None) or verifier
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(text.num_hidden_layers)
-    layer_cfg = AutoConfig.from_pretrained(target)
-    layer_cfg = getattr(layer_cfg, "text_config", None) or layer_cfg
-    layer_cfg.num_hidden_layers = draft_layers
+    # The decoder layer speculators' trainer builds for this type with its defaults (a copy of the
+    # target's config would carry the target's per-layer lists: Qwen3's 64 layer_types for 1 layer).
+    d = DraftArgs()
+    layer_cfg = create_transformer_layer_config(
+        str(target), draft_layers, d.draft_arch or ("llama" if draft_type == "eagle3" else "qwen3"),
+        d.draft_hidden_act, d.sliding_window, list(d.full_attention_indices), d.draft_mrope_full_head_hack)
     common = dict(transformer_layer_config=layer_cfg, draft_vocab_size=min(draft_vocab_size, text.vocab_size),
                   norm_before_residual=True, eagle_aux_hidden_state_layer_ids=aux)
     verifier_cfg = VerifierConfig.from_pretrained(str(target))
