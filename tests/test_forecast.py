@@ -67,8 +67,26 @@ def test_tau_outside_one_to_k_plus_one_is_refused_naming_the_setting():
     with pytest.raises(PipelineError, match=r"forecast.tau = \[5.0\].*k \+ 1 = 4"):
         forecast_speedup.resolve({"tau": [1.0, 5.0], "num_speculative_tokens": 3}, on_gpu=True)
     s = forecast_speedup.resolve({"tau": [2.0, 1.0, 2.0]}, on_gpu=False)
-    assert s["tau"] == [1.0, 2.0] and s["dtype"] == "float32"
+    assert s["tau"] == [1.0, 2.0]
     assert forecast_speedup.resolve({}, on_gpu=True)["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_forecast_dtype_auto_follows_the_stages_rule(monkeypatch, native):
+    """forecast.dtype auto is pipeline_lib/dtypes.py's rule, as for generation: bfloat16 on a
+    GPU, on a CPU bfloat16 only with bf16 instructions; the workflow resolves it once (the
+    forecast job gets the dtype, not auto), a direct call by the same rule."""
+    from pipeline_lib import dtypes
+
+    monkeypatch.setenv(dtypes.CPU_ENV, "native" if native else "emulated")
+    cpu_dtype = "bfloat16" if native else "float32"
+    assert forecast_speedup.resolve({}, on_gpu=False)["dtype"] == cpu_dtype
+    config = {"forecast": {"dtype": "auto"}, "generation": {"dtype": "auto"}, "resources": {"forecast": {"gpu": 0}}}
+    decided = dtypes.resolution(config)
+    assert decided["forecast"]["dtype"] == decided["generation"]["dtype"] == cpu_dtype
+    config["resources"]["forecast"]["gpu"] = 1
+    assert dtypes.resolution(config)["forecast"] == {"setting": "auto", "device": "gpu", "dtype": "bfloat16",
+                                                     "why": "auto: resources.forecast.gpu > 0"}
 
 
 def test_report_places_the_measured_draft_on_the_forecast():
@@ -110,6 +128,9 @@ def test_forecast_stage_on_cpu_is_labelled_not_a_forecast(tmp_path, test_config)
     assert (out / "forecast.png").stat().st_size > 1000
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["rule"] == "forecast"
+    # forecast.dtype auto, resolved by the workflow with the other stages (pipeline_lib/dtypes.py)
+    assert prov["dtype_resolution"]["setting"] == "auto" and prov["dtype_resolution"]["planned_device"] == "cpu"
+    assert prov["dtype_resolution"]["dtype"] == rec["settings"]["dtype"] in ("bfloat16", "float32")
     dry = run_snakemake(tmp_path, test_config, "-n", "results/tiny/forecast/forecast.json")
     assert "speedup forecast (results/tiny/forecast/forecast.json, NOT a forecast" in dry.stderr + dry.stdout
 

@@ -1,9 +1,10 @@
 """Compute dtypes: what `auto` means for each stage, decided once per Snakemake invocation.
 
-Four settings say what a stage computes in: generation.dtype (traces), hidden_states.dtype
+Five settings say what a stage computes in: generation.dtype (traces), hidden_states.dtype
 (extraction; offline files stay bfloat16 when it is float32: hidden_file_dtype), train.dtype (speculators'
---hidden-states-dtype: the autocast dtype; master weights stay fp32, checkpoints bf16) and
-verify.dtype (the acceptance runs). Each may be `auto` (their default):
+--hidden-states-dtype: the autocast dtype; master weights stay fp32, checkpoints bf16),
+verify.dtype (the acceptance runs) and forecast.dtype (the speedup forecast's servers). Each may
+be `auto` (their default):
 
 - a stage given GPUs (resources.<stage>.gpu > 0; online hidden states: hidden_states.server_gpus)
   computes in bfloat16, whatever the planning host is;
@@ -58,6 +59,8 @@ SETTINGS = {
     "hidden_states": {"stage": "hidden_states", "cpu": "by_cpu"},
     "train": {"stage": "train", "cpu": "by_cpu"},
     "verify": {"stage": "verify", "cpu": "float32"},
+    # The speedup forecast serves the target like generation does (rules/forecast.smk).
+    "forecast": {"stage": "forecast", "cpu": "by_cpu"},
 }
 
 
