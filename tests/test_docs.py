@@ -255,13 +255,14 @@ def test_headline_figures_are_the_records(tmp_path):
              "suites": {**demo["suites"], "eval": {**mt, "tau": 1.5, "interval": [1.4, 1.6]}}}
     (copy / "demo-2099-01-01-0000000.run.json").write_text(json.dumps(newer))
     ci = copy / "ci-2099-01-01-0000000.log"
-    ci.write_text((results / make_docs.newest_ci_log(results).name).read_text()
-                  .replace("[ci] 2026-", "[ci] 2099-").replace(" 544 passed", " 545 passed"))
+    newest_log = (results / make_docs.newest_ci_log(results).name).read_text()
+    count = int(counts[0].replace(",", ""))  # the newest log's suite count, one more in the copy
+    ci.write_text(newest_log.replace("[ci] 2026-", "[ci] 2099-").replace(f" {count} passed", f" {count + 1} passed"))
     rows = headline_rows(make_docs.headline(copy))
     assert rows["date, hardware"][0].startswith("2099-01-01") and "0000000" in rows["date, hardware"][0]
     assert rows["τ MT-Bench (80), 95% interval"][0] == "1.50 (1.40-1.60)"
     assert rows["epochs / time"][0].startswith(f"{demo['epochs']} / 10 min 0 s")
-    assert next(v for k, v in rows.items() if k.startswith("test suite"))[0].startswith("545 passed")
+    assert next(v for k, v in rows.items() if k.startswith("test suite"))[0].startswith(f"{count + 1} passed")
 
 
 def test_prompt_sources_recompute_the_records_paired_figures():
