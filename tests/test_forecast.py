@@ -168,3 +168,22 @@ def test_draft_config_is_the_trainers_layer_and_vllm_reads_it(tmp_path, tiny_tar
                 "head_dim", "layer_types", "sliding_window"):
         assert layer[key] == want[key], key
     VllmSpeculatorsConfig.from_pretrained(str(draft))  # raises on a config vLLM would refuse
+
+
+def test_a_speedup_above_tau_is_flagged_and_the_per_user_figure_does_not_decide():
+    """The impossibility guard judges the speedup the forecast reports (output tok/s at equal
+    streams). A random draft on CPU (CI, 2026-12-06): per-user tok/s from inter-token latency
+    1.13x the target's, output tok/s 0.52x, tau 1.00: kept. Output tok/s 1.3x at tau 1.0: flagged."""
+    def points(draft_out: float, draft_user: float) -> list[dict]:
+        return [{"arm": curve.NO_DRAFT, "streams": 1, "output_tok_s": 98.5, "tok_s_per_user": 163.4},
+                {"arm": "draft", "streams": 1, "tau": 1.0, "output_tok_s": draft_out, "tok_s_per_user": draft_user}]
+
+    seen = points(51.0, 183.9)
+    forecast_speedup.flag_impossible(seen)
+    assert seen[1].get("not_measured") is None
+    assert [round(r["speedup"], 2) for r in curve.speedup_rows(seen)] == [0.52]
+    lying = points(128.0, 150.0)
+    forecast_speedup.flag_impossible(lying)
+    assert "speedup 1.30 (output tok/s with / without the draft) above the acceptance length 1.00" \
+        in lying[1]["not_measured"]
+    assert curve.speedup_rows(lying) == []
