@@ -187,3 +187,50 @@ def test_a_speedup_above_tau_is_flagged_and_the_per_user_figure_does_not_decide(
     assert "speedup 1.30 (output tok/s with / without the draft) above the acceptance length 1.00" \
         in lying[1]["not_measured"]
     assert curve.speedup_rows(lying) == []
+
+
+# A stand-in for a GuideLLM run: it forks a worker (as GuideLLM's data loader does) and then, for
+# its first `hangs` runs, never exits; afterwards it writes its result and exits 0.
+HANGING_RUN = """
+import os, subprocess, sys, time
+from pathlib import Path
+work, hangs = Path(sys.argv[1]), int(sys.argv[2])
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+runs = len(list(work.glob("run-*")))
+(work / f"run-{runs}").write_text(f"{os.getpid()} {worker.pid}")
+if runs < hangs:
+    time.sleep(600)
+(work / "out.json").write_text("{}")
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return status == "Z"  # exited, waiting to be reaped by its (stopped) parent
+
+
+def test_a_hung_guidellm_run_is_stopped_with_its_workers_and_run_again(tmp_path):
+    """GuideLLM can stall after its window (its issues #431, #1152; seen once in a CPU test run,
+    which then waited for its own 800 s timeout): the run is stopped as a process group after
+    its limit and run again; when every attempt hangs, the point fails naming the log."""
+    from pipeline_lib.forecast.load import run_watched
+
+    log, out = tmp_path / "guidellm.log", tmp_path / "out.json"
+    cmd = [sys.executable, "-c", HANGING_RUN, str(tmp_path), "1"]
+    out.write_text("a stale result a stopped run left")
+    assert run_watched(cmd, log, out, limit_s=4, attempts=2) == 0
+    assert out.read_text() == "{}"
+    hung = (tmp_path / "run-0").read_text().split()
+    assert all(_gone(int(pid)) for pid in hung), "the hung run or its worker outlived the watchdog"
+    assert log.read_text().count("[watchdog] no exit after 4 s (attempt 1 of 2): process group stopped") == 1
+
+    for f in tmp_path.glob("run-*"):
+        f.unlink()
+    cmd[-1] = "5"
+    with pytest.raises(RuntimeError, match=r"did not exit within 4 s in any of 2 attempts .*guidellm\.log"):
+        run_watched(cmd, log, out, limit_s=4, attempts=2)
+    assert not out.exists()
+    assert all(_gone(int(pid)) for f in tmp_path.glob("run-*") for pid in f.read_text().split())

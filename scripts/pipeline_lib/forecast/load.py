@@ -9,7 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..hidden_states.server import stop_group
 from .server import SPEC_COUNTERS
+
+# GuideLLM's own start (imports, tokenizer, dataset) on top of the measured window, after which a
+# run that has not exited is taken as hung. GuideLLM can stall after a window with every request
+# answered (its main process waiting on a worker message that never comes; GuideLLM issues #431,
+# #1152): seen once in a CPU test run, 2026-12-06, which then waited for its own timeout.
+GUIDELLM_START_S = 120.0
+GUIDELLM_ATTEMPTS = 2
 
 
 def guidellm_point(url: str, streams: int, data: Path, tokenizer: Path, max_tokens: int, seconds: float,
@@ -26,13 +34,37 @@ def guidellm_point(url: str, streams: int, data: Path, tokenizer: Path, max_toke
            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
            "--output", f"kind=json,path={out}",
            "--disable-console-interactive"]
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+    rc = run_watched(cmd, log, out, seconds + GUIDELLM_START_S, GUIDELLM_ATTEMPTS,
+                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if rc != 0 or not out.exists():
         raise RuntimeError(f"guidellm exited with {rc} at {streams} streams; see {log}")
     return json.loads(out.read_text())["benchmarks"][0]
+
+
+def run_watched(cmd: list[str], log: Path, out: Path, limit_s: float, attempts: int,
+                env: dict[str, str] | None = None) -> int:
+    """Run `cmd` (its output appended to `log`) in a process group of its own; one that has not
+    exited after `limit_s` is stopped as a group (its forked workers too) and run again, up to
+    `attempts` times. Returns the exit status of the run that ended; raises RuntimeError naming
+    the log when every attempt hung. `out` is removed before each attempt, so a file left by a
+    stopped run is never read as a result."""
+    for attempt in range(1, attempts + 1):
+        out.unlink(missing_ok=True)
+        with open(log, "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                return proc.wait(timeout=limit_s)
+            except subprocess.TimeoutExpired:
+                stop_group(proc.pid, grace_s=10, leader=proc)
+                f.write(f"[watchdog] no exit after {limit_s:.0f} s (attempt {attempt} of {attempts}): "
+                        f"process group stopped\n")
+            except BaseException:  # the job itself is stopped: its GuideLLM goes with it
+                stop_group(proc.pid, grace_s=10, leader=proc)
+                raise
+    raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} did not exit within {limit_s:.0f} s in any of "
+                       f"{attempts} attempts (stopped each time); see {log}")
 
 
 def point_figures(bench: dict, before: dict, after: dict) -> dict:
