@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,6 +52,21 @@ def test_cpu_jobs_run_vllms_engine_in_their_own_process(e2e):
         assert "(EngineCore pid=" not in text, f"{log}: vLLM's engine ran in a process of its own"
     prov = json.loads((r / "drafts/default/verify/acceptance.provenance.json").read_text())
     assert prov["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+def test_cpu_acceptance_runs_both_drafts_in_one_engine_child(e2e):
+    """On CPU one engine child measures the trained and then the untrained draft, each engine
+    shut down before the next (vLLM imported once, not once per draft); both runs' figures are
+    vLLM's own counters (test_verify checks them against the per-request metrics)."""
+    text = (e2e.results / "logs/acceptance/default.log").read_text()
+    trained = text.index("[acceptance] trained: starting vLLM")
+    untrained = text.index("[acceptance] untrained: starting vLLM")
+    end = text.find("[speedup]", untrained)
+    pids = [set(re.findall(r"\(MainProcess pid=(\d+)\)", part)) for part in (text[trained:untrained], text[untrained:end])]
+    assert len(pids[0]) == 1 and pids[0] == pids[1], pids
+    assert text.count("init engine (profile, create kv cache, warmup model) took", trained, end) == 2
+    acc = json.loads((e2e.results / "drafts/default/verify/acceptance.json").read_text())["acceptance"]
+    assert acc["trained"]["num_drafts"] > 0 and acc["untrained"]["num_drafts"] > 0
+
 
 def test_rerun_does_nothing(e2e):
     proc = run_snakemake(e2e.work, e2e.config)

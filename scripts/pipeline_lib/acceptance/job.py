@@ -14,7 +14,6 @@ from pathlib import Path
 
 from .. import runtime
 from ..errors import PipelineError
-from ..io import atomic_write_json
 from ..suite_stats import BASE_SUITE, HELD_OUT_SUITE
 from ..target import load_config, text_config
 from .inputs import MeasureSpec, answer_room, load_eval_prompts
@@ -123,9 +122,9 @@ def ran_as_engine_child(args) -> bool:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not args.engine_job:
         return False
-    from .vllm_backend import run_engine_job
+    from .vllm_backend import run_engine_jobs
 
-    atomic_write_json(args.engine_result, run_engine_job(json.loads(Path(args.engine_job).read_text())))
+    run_engine_jobs(json.loads(Path(args.engine_job).read_text()), args.engine_result)
     return True
 
 

@@ -1,8 +1,9 @@
 """Backend `vllm`: real vLLM serves the target with the draft as its EAGLE-3 speculator.
 
 Every engine configuration (trained draft, untrained draft; no speculation in the baseline
-job) runs in its own child process (one engine at a time, memory returned between them, vLLM's own error message
-captured if it cannot load the draft). The speedup rounds need the target alone and the
+job) runs in a child process, one engine at a time (each shut down before the next starts, vLLM's
+own error message captured if it cannot load the draft). Where the engine runs in that process
+(CPU) one child runs the trained and the untrained draft in turn, so vLLM is imported once. The speedup rounds need the target alone and the
 target with the trained draft in turn: two children that stay up (started one after the
 other, then used in turn, never at once: on a few cores two engines decoding together would
 time each other), each decoding a round's prompts when asked. Global numbers come from vLLM's spec-decode metrics
@@ -63,16 +64,14 @@ def _engine_job(spec: MeasureSpec, draft: str | None, prompts: list[EvalPrompt],
     }
 
 
-def _run_engine_child(script: str, job: dict, run: str, spec: MeasureSpec) -> dict:
-    """Run one engine configuration in a child process; its output goes to our log."""
-    from ..runtime import vllm_engine_in_process
-
-    vllm_engine_in_process()  # decided here, once: the child inherits it (and provenance records it)
+def _run_engine_child(script: str, runs: list[tuple[str, dict]], spec: MeasureSpec) -> list[dict]:
+    """Run engine configurations, one after another, in one child process; its output goes to
+    our log. One result per run; the run that fails raises BackendFailure naming it (the runs
+    after it do not start)."""
     with tempfile.TemporaryDirectory(prefix="acceptance-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
+        job_path.write_text(json.dumps({"sequence": [{**job, "run": run} for run, job in runs]}))
         cmd = [sys.executable, script, "--engine-job", str(job_path), "--engine-result", str(result_path)]
-        spec.log(f"[acceptance] {run}: starting vLLM ({'draft ' + job['draft'] if job['draft'] else 'no speculation'})")
         tail: collections.deque[str] = collections.deque(maxlen=3000)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", env={**os.environ, "TMPDIR": tmp})
@@ -89,10 +88,21 @@ def _run_engine_child(script: str, job: dict, run: str, spec: MeasureSpec) -> di
                 proc.kill()
                 proc.wait()
             raise
-        if rc != 0 or not result_path.exists():
+        results = []
+        for i in range(len(runs)):
+            path = sequence_result(result_path, i)
+            if not path.exists():
+                break
+            results.append(json.loads(path.read_text()))
+        if rc != 0 or len(results) < len(runs):
             cause = vllm_root_cause(list(tail)) or f"vLLM exited with status {rc} (no exception line in its log)"
-            raise BackendFailure(run, cause, list(tail)[-60:])
-        return json.loads(result_path.read_text())
+            raise BackendFailure(runs[len(results)][0] if len(results) < len(runs) else runs[-1][0],
+                                 cause, list(tail)[-60:])
+        return results
+
+
+def sequence_result(result_path: str | Path, i: int) -> Path:
+    return Path(f"{result_path}.{i}")
 
 
 def _records_from_engine(outputs: list[dict], prompts: list[EvalPrompt]) -> list[RequestRecord]:
@@ -101,31 +111,42 @@ def _records_from_engine(outputs: list[dict], prompts: list[EvalPrompt]) -> list
             for p, o in zip(prompts, outputs)]
 
 
-def _engine_run(spec: MeasureSpec, engine_script: str, run: str, draft: str | None,
-                prompts: list[EvalPrompt]) -> RunResult:
-    res = _run_engine_child(engine_script, _engine_job(spec, draft, prompts), run, spec)
+def _engine_runs(spec: MeasureSpec, engine_script: str,
+                 runs: list[tuple[str, str | None, list[EvalPrompt]]]) -> dict[str, RunResult]:
+    """(name, draft or None, prompts) per run, measured in this order. With the engine in the
+    child's own process (CPU) one child runs them all: each further child would import vLLM
+    again (7 s on a 2-core CPU machine, 2026-12-06) for an engine that starts in 3. Where the
+    engine is a process of its own (GPU), a child each, so each starts on a clean device."""
+    from ..runtime import vllm_engine_in_process
+
+    jobs = [(run, _engine_job(spec, draft, prompts)) for run, draft, prompts in runs]
+    groups = [jobs] if vllm_engine_in_process() else [[job] for job in jobs]  # decided here; children inherit it
+    results = [res for group in groups for res in _run_engine_child(engine_script, group, spec)]
     k = spec.num_speculative_tokens
-    m = res["batch"]["metrics"]
-    block = None
-    if draft is not None:
-        per_pos = (m["accepted_per_pos"] + [0] * k)[:k]
-        block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
-    return RunResult(records=_records_from_engine(res["batch"]["outputs"], prompts), wall_s=res["batch"]["wall_s"],
-                     global_block=block, batched=True, engine_start_s=res["engine_start_s"],
-                     per_request_source=res.get("per_request_source"))
+    out = {}
+    for (run, draft, prompts), res in zip(runs, results):
+        m = res["batch"]["metrics"]
+        block = None
+        if draft is not None:
+            per_pos = (m["accepted_per_pos"] + [0] * k)[:k]
+            block = dict(acceptance_block(m["num_drafts"], m["num_draft_tokens"], per_pos), source="vllm:get_metrics")
+        out[run] = RunResult(records=_records_from_engine(res["batch"]["outputs"], prompts),
+                             wall_s=res["batch"]["wall_s"], global_block=block, batched=True,
+                             engine_start_s=res["engine_start_s"], per_request_source=res.get("per_request_source"))
+    return out
 
 
 @register("vllm", "no_draft")
 def measure_vllm_no_draft(spec: MeasureSpec, engine_script: str) -> tuple[RunResult, list[str]]:
     """The target alone, all prompts at once: the greedy outputs speculation must reproduce."""
-    return _engine_run(spec, engine_script, "no_draft", None, spec.prompts), []
+    return _engine_runs(spec, engine_script, [("no_draft", None, spec.prompts)])["no_draft"], []
 
 
 @register("vllm", "drafts")
 def measure_vllm(spec: MeasureSpec, engine_script: str) -> tuple[dict[str, RunResult], list[str]]:
     # Trained first: if vLLM cannot load the draft we stop there (the untrained one adds nothing).
-    runs = {"trained": _engine_run(spec, engine_script, "trained", spec.draft, spec.prompts),
-            "untrained": _engine_run(spec, engine_script, "untrained", spec.untrained, spec.untrained_subset)}
+    runs = _engine_runs(spec, engine_script, [("trained", spec.draft, spec.prompts),
+                                              ("untrained", spec.untrained, spec.untrained_subset)])
     per_request = ("vLLM's per-request detailed metrics (per_request_spec_decode_metrics=detailed)"
                    if not runs["trained"].per_request_source else runs["trained"].per_request_source)
     notes = ["acceptance numbers are vLLM's spec-decode counters (vllm:spec_decode_*) over the batch run; "
@@ -260,6 +281,33 @@ def _engine_accepts(name: str) -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
     return name in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def run_engine_jobs(jobs: dict, result_path: str) -> None:
+    """Inside the child: one engine job (`--engine-result` gets its result), or a sequence of them
+    run in turn (result i in `<result>.i`), each engine shut down before the next one starts."""
+    from ..io import atomic_write_json
+
+    if "sequence" not in jobs:
+        atomic_write_json(result_path, run_engine_job(jobs))
+        return
+    for i, job in enumerate(jobs["sequence"]):
+        if i:
+            _shut_down_engines()
+        print(f"[acceptance] {job['run']}: starting vLLM ({'draft ' + job['draft'] if job['draft'] else 'no speculation'})",
+              file=sys.stderr, flush=True)
+        atomic_write_json(sequence_result(result_path, i), run_engine_job(job))
+
+
+def _shut_down_engines() -> None:
+    """Free the last engine (collected once unreferenced) and vLLM's process-wide distributed
+    state, which a second engine in the same process would otherwise find initialised."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def run_engine_job(job: dict) -> dict:
