@@ -14,8 +14,9 @@ from .server import SPEC_COUNTERS
 
 # GuideLLM's own start (imports, tokenizer, dataset) on top of the measured window, after which a
 # run that has not exited is taken as hung. GuideLLM can stall after a window with every request
-# answered (its main process waiting on a worker message that never comes; GuideLLM issues #431,
-# #1152): seen once in a CPU test run, 2026-12-06, which then waited for its own timeout.
+# answered (its main process waiting on a worker message that never comes; reported upstream as
+# https://github.com/vllm-project/guidellm/issues/431 and /issues/1152): seen once in a CPU test
+# run, 2026-12-06, which then waited for its own timeout.
 GUIDELLM_START_S = 120.0
 GUIDELLM_ATTEMPTS = 2
 
