@@ -213,8 +213,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_hung_guidellm_run_is_stopped_with_its_workers_and_run_again(tmp_path):
-    """GuideLLM can stall after its window (https://github.com/vllm-project/guidellm/issues/431; seen once in a CPU test run,
-    which then waited for its own 800 s timeout): the run is stopped as a process group after
+    """GuideLLM can stall after its window (https://github.com/vllm-project/guidellm/issues/431;
+    seen once in a CPU test run, which then waited for its own 800 s timeout): the run is stopped as a process group after
     its limit and run again; when every attempt hangs, the point fails naming the log."""
     from pipeline_lib.forecast.load import run_watched
 

@@ -1,14 +1,15 @@
 """Backend `vllm`: real vLLM serves the target with the draft as its EAGLE-3 speculator.
 
 Every engine configuration (trained draft, untrained draft; no speculation in the baseline
-job) runs in a child process, one engine at a time (each shut down before the next starts, vLLM's
-own error message captured if it cannot load the draft). Where the engine runs in that process
-(CPU) one child runs the trained and the untrained draft in turn, so vLLM is imported once. The speedup rounds need the target alone and the
-target with the trained draft in turn: two children that stay up (started one after the
-other, then used in turn, never at once: on a few cores two engines decoding together would
-time each other), each decoding a round's prompts when asked. Global numbers come from vLLM's spec-decode metrics
-(`llm.get_metrics()`); per-request numbers (categories, reasoning/answer spans) from vLLM's
-per-request detailed metrics, which list the accepted count of every verify step."""
+job) runs in a child process, one engine at a time (each shut down before the next starts,
+vLLM's own error message captured if it cannot load the draft). Where the engine runs in that
+process (CPU) one child runs the trained and the untrained draft in turn, so vLLM is imported
+once. The speedup rounds need the target alone and the target with the trained draft in turn:
+two children that stay up (started one after the other, then used in turn, never at once: on a
+few cores two engines decoding together would time each other), each decoding a round's
+prompts when asked. Global numbers come from vLLM's spec-decode metrics (`llm.get_metrics()`);
+per-request numbers (categories, reasoning/answer spans) from vLLM's per-request detailed
+metrics, which list the accepted count of every verify step."""
 from __future__ import annotations
 
 import collections
@@ -294,8 +295,8 @@ def run_engine_jobs(jobs: dict, result_path: str) -> None:
     for i, job in enumerate(jobs["sequence"]):
         if i:
             _shut_down_engines()
-        print(f"[acceptance] {job['run']}: starting vLLM ({'draft ' + job['draft'] if job['draft'] else 'no speculation'})",
-              file=sys.stderr, flush=True)
+        what = f"draft {job['draft']}" if job["draft"] else "no speculation"
+        print(f"[acceptance] {job['run']}: starting vLLM ({what})", file=sys.stderr, flush=True)
         atomic_write_json(sequence_result(result_path, i), run_engine_job(job))
 
 
