@@ -91,8 +91,9 @@ def run_entry(e: dict, tokenizer: Path, out: Path, prompts: Path, args) -> dict:
 
 def summarize(out: Path, concurrency: list[int]) -> str:
     """One row per entry and concurrency: speedup at each tau measured, and the break-even."""
-    lines = ["| target shape | draft | requests in flight | no draft, tok/s per user | speedup per user at tau (counted) "
-             "| break-even tau |", "|---|---|---|---|---|---|"]
+    # The speedup is output tok/s with the draft over without at the same streams (curve.speedup_rows).
+    lines = ["| target shape | draft | requests in flight | no draft, output tok/s (per user) "
+             "| speedup at tau (counted) | break-even tau |", "|---|---|---|---|---|---|"]
     for d in sorted(p for p in out.iterdir() if p.is_dir()):
         f = d / "forecast.json" if (d / "forecast.json").exists() else d / "work/partial.json"
         if not f.exists():
@@ -108,7 +109,8 @@ def summarize(out: Path, concurrency: list[int]) -> str:
             rows = [r for r in rec["rows"] if r["streams"] == n]
             cells = ", ".join(f"{r['speedup']:.2f} ({r['tau']:.2f})" for r in sorted(rows, key=lambda r: r["tau"]))
             b = base.get(n)
-            lines.append(f"| {rec['label']} | {draft} | {n} | {b['tok_s_per_user']:,.0f} | {cells or '-'} | "
+            lines.append(f"| {rec['label']} | {draft} | {n} | {b['output_tok_s']:,.0f} ({b['tok_s_per_user']:,.0f}) | "
+                         f"{cells or '-'} | "
                          f"{curve.break_even_text(rec['break_even'][str(n)]) if str(n) in rec['break_even'] else '-'} |"
                          if b else f"| {rec['label']} | {draft} | {n} | not measured | - | - |")
     return "\n".join(lines) + "\n"

@@ -234,3 +234,20 @@ def test_a_hung_guidellm_run_is_stopped_with_its_workers_and_run_again(tmp_path)
         run_watched(cmd, log, out, limit_s=4, attempts=2)
     assert not out.exists()
     assert all(_gone(int(pid)) for f in tmp_path.glob("run-*") for pid in f.read_text().split())
+
+
+def test_shapes_table_gives_the_output_speedup_of_a_run_stopped_at_its_budget(tmp_path):
+    """bench/forecast_shapes.py --summarize on the Qwen3-14B record (H100, 2026-12-06, stopped at
+    its time budget): the table's speedup is output tok/s with / without the draft (0.55 at 64 in
+    flight, where the per-user ratio is 0.58) and says so in its header."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import forecast_shapes
+
+    entry = tmp_path / "qwen3-14b" / "work"
+    entry.mkdir(parents=True)
+    (entry / "partial.json").write_text((REPO / "bench/results/forecast-h100-2026-12-06c/qwen3-14b.partial.json").read_text())
+    table = forecast_shapes.summarize(tmp_path, [1, 64])
+    header, _, at_1, at_64 = table.splitlines()
+    assert "no draft, output tok/s (per user)" in header and "per user at tau" not in header
+    assert "| 84 (87) | 0.81 (1.00), 1.04 (1.31) | 1.26 |" in at_1, at_1
+    assert "| 4,341 (76) | 0.55 (1.00) | > 1.00" in at_64, at_64
