@@ -65,7 +65,7 @@ def _engine_job(spec: MeasureSpec, draft: str | None, prompts: list[EvalPrompt],
     }
 
 
-def _run_engine_child(script: str, runs: list[tuple[str, dict]], spec: MeasureSpec) -> list[dict]:
+def _run_engine_child(script: str, runs: list[tuple[str, dict]]) -> list[dict]:
     """Run engine configurations, one after another, in one child process; its output goes to
     our log. One result per run; the run that fails raises BackendFailure naming it (the runs
     after it do not start)."""
@@ -122,7 +122,7 @@ def _engine_runs(spec: MeasureSpec, engine_script: str,
 
     jobs = [(run, _engine_job(spec, draft, prompts)) for run, draft, prompts in runs]
     groups = [jobs] if vllm_engine_in_process() else [[job] for job in jobs]  # decided here; children inherit it
-    results = [res for group in groups for res in _run_engine_child(engine_script, group, spec)]
+    results = [res for group in groups for res in _run_engine_child(engine_script, group)]
     k = spec.num_speculative_tokens
     out = {}
     for (run, draft, prompts), res in zip(runs, results):
