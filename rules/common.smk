@@ -12,7 +12,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
-from pipeline_lib import stages  # noqa: E402
+from pipeline_lib import code_digest, stages  # noqa: E402
 from pipeline_lib.acceptance.job import BASELINE_KEYS  # noqa: E402
 from pipeline_lib.assets import PREFIX as PYPI_PREFIX, resolve_asset  # noqa: E402
 from pipeline_lib.digests import path_digest  # noqa: E402
@@ -36,7 +36,8 @@ DTYPE_RESOLUTION = dtypes.resolve_in_place(config)
 # directories it is built from, and per directory what defines it. Rules reach them only
 # through the input functions below, by the wildcard that names the directory.
 with open(Path(workflow.basedir) / "schemas/config.schema.yaml") as _schema:
-    stages.check_variants(config, yaml.safe_load(_schema))
+    # libyaml's loader where PyYAML has it: the schema is parsed by every Snakemake run.
+    stages.check_variants(config, yaml.load(_schema, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
 stages.check_verify(config)
 LINEAGE, STAGE_INSTANCES = stages.plan_instances(config)
 
@@ -263,61 +264,15 @@ def variant_lineage(variant):
 # --------------------------------------------------------------------------- code and sources
 
 
-def _module_files(base, dotted):
-    """The file(s) of module `dotted` under `base`: a module file or a package's __init__."""
-    target = base.joinpath(*dotted.split(".")) if dotted else base
-    return [f for f in (target.with_suffix(".py"), target / "__init__.py") if f.is_file()]
-
-
-def _lib_imports(path, seen):
-    """pipeline_lib modules (and packages' modules) a file imports, transitively (parsed, not
-    imported): `from pipeline_lib.x import y`, `from pipeline_lib import x`, and relative
-    imports inside the library at any depth."""
-    import ast
-
-    lib = SCRIPTS / "pipeline_lib"
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        if node.level:  # relative: only meaningful inside the library
-            if lib not in path.parents:
-                continue
-            base = path.parent
-            for _ in range(node.level - 1):
-                base = base.parent
-            dotted = node.module or ""
-        elif node.module and (node.module == "pipeline_lib" or node.module.startswith("pipeline_lib.")):
-            base, dotted = lib, node.module.partition(".")[2]
-        else:
-            continue
-        deps = _module_files(base, dotted)
-        pkg = base.joinpath(*dotted.split(".")) if dotted else base
-        for alias in node.names:  # `from pkg import submodule`
-            deps += _module_files(pkg, alias.name)
-        for dep in deps:
-            if dep not in seen:
-                seen.add(dep)
-                _lib_imports(dep, seen)
-    return seen
-
-
 @lru_cache(maxsize=None)
 def code_version(*scripts):
     """Content digest of a rule's program(s) and of the library modules they import
-    (transitively), for `params:`.
+    (transitively), for `params:` (pipeline_lib/code_digest.py).
 
     Editing a program, or a library module it uses, reruns the rule and everything after it;
     editing a module it does not use reruns nothing. Files are named relative to scripts/, so
     where the checkout lives (another path, a second clone) never reruns anything."""
-    h = hashlib.sha256()
-    deps = set()
-    for s in scripts:
-        deps.add(SCRIPTS / s)
-        _lib_imports(SCRIPTS / s, deps)
-    for p in sorted(deps):
-        h.update(p.relative_to(SCRIPTS).as_posix().encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+    return code_digest.code_version(SCRIPTS, *scripts)
 
 
 def script(name):
