@@ -51,3 +51,7 @@ def test_this_environment_is_the_lock():
     assert not differ, f"installed differently from envs/cpu.lock (locked, installed): {differ}; run `make env`"
     present = {canonical(d.metadata["Name"]) for d in importlib.metadata.distributions()}
     assert not EXCLUDED & present
+    # Everything else installed came from the lock, or from the two lists installed after it.
+    extra = {name for f in ("slurm-plugin.txt", "assets.txt") for name, _ in requirements(REPO / "envs" / f)}
+    unlocked = present - {name for name, _ in requirements(REPO / "envs" / "cpu.lock")} - extra - {"pip"}
+    assert not unlocked, f"installed but not in envs/cpu.lock: {sorted(unlocked)}; run `make lock`"
