@@ -33,6 +33,16 @@ if [[ "$STACK" == cuda ]]; then
   echo "[env]   vLLM 0.26.0 on torch 2.11.0 (CUDA 13 wheels: an NVIDIA driver >= 580), the GPU runs' versions"
 fi
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+# The lock is what pip resolved on one Python minor version (its header names it): another
+# interpreter resolves envs/<stack>.txt itself, as `make lock` would there.
+if [[ -n "$LOCK" ]]; then
+  lock_py="$(sed -n 's/^# Python \([0-9]*\.[0-9]*\)\..*/\1/p' "$LOCK" | head -1)"
+  venv_py="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  if [[ "$lock_py" != "$venv_py" ]]; then
+    echo "[env]   $LOCK was resolved on Python ${lock_py:-?}, $VENV has $venv_py: installing from $REQS instead"
+    LOCK=""
+  fi
+fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if [[ -n "$LOCK" ]]; then
   "$VENV/bin/python" -m pip install -q --no-compile --no-deps -r "$LOCK"
