@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import sys
+import sysconfig
 
 from conftest import REPO
 
@@ -49,7 +50,10 @@ def test_this_environment_is_the_lock():
         if have != version:
             differ[name] = (version, have)
     assert not differ, f"installed differently from envs/cpu.lock (locked, installed): {differ}; run `make env`"
-    present = {canonical(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+    # The venv's site-packages only: once setuptools is imported (torch does), its vendored
+    # packages' metadata is on sys.path too, and they are not installed packages.
+    site = sysconfig.get_path("purelib")
+    present = {canonical(d.metadata["Name"]) for d in importlib.metadata.distributions(path=[site])}
     assert not EXCLUDED & present
     # Everything else installed came from the lock, or from the two lists installed after it.
     extra = {name for f in ("slurm-plugin.txt", "assets.txt") for name, _ in requirements(REPO / "envs" / f)}
