@@ -62,12 +62,20 @@ ROOT_TESTS ?= $(if $(filter true,$(CI)),require,auto)
 # is one test of the suite (tests/test_portable_numerics.py), started right away on the worker
 # that does not build the e2e run. TEST_WORKERS=0: one process.
 # --timeout: a test that hangs fails after 20 minutes instead of holding the run.
+# SLURM (apt: downloads and dpkg) installs while the environment builds (pip: mostly CPU), not after it.
 TEST_WORKERS ?= 2
-test: env
-	@if [ "$(ROOT_TESTS)" = require ]; then bash .ci/install_slurm.sh; \
+test:
+	@slurm_log=$$(mktemp); slurm_pid=; \
+	if [ "$(ROOT_TESTS)" = require ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }; then \
+	  bash .ci/install_slurm.sh > $$slurm_log 2>&1 & slurm_pid=$$!; \
 	elif [ "$$(id -u)" != 0 ]; then echo "[test] not root: no SLURM install; the tests that need root are named at the end"; \
-	elif ! command -v apt-get >/dev/null 2>&1; then echo "[test] no apt-get: no SLURM install; if SLURM is missing, its tests are named at the end"; \
-	else bash .ci/install_slurm.sh || echo "[test] the SLURM install failed: its tests are named at the end"; fi
+	else echo "[test] no apt-get: no SLURM install; if SLURM is missing, its tests are named at the end"; fi; \
+	bash scripts/setup_env.sh $(VENV); env_status=$$?; \
+	slurm_status=0; if [ -n "$$slurm_pid" ]; then wait $$slurm_pid || slurm_status=$$?; cat $$slurm_log; fi; rm -f $$slurm_log; \
+	[ $$env_status = 0 ] || exit $$env_status; \
+	if [ $$slurm_status != 0 ]; then \
+	  if [ "$(ROOT_TESTS)" = require ]; then exit $$slurm_status; fi; \
+	  echo "[test] the SLURM install failed: its tests are named at the end"; fi
 	@echo "[test] running the test suite (tests/) on $(TEST_WORKERS) workers"
 	@not_run=$$(mktemp); \
 	echo "$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder --timeout 1200 $(PYTEST_ARGS)"; \
