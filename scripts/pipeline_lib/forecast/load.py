@@ -7,17 +7,21 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..hidden_states.server import stop_group
 from .server import SPEC_COUNTERS
 
-# GuideLLM's own start (imports, tokenizer, dataset) on top of the measured window, after which a
-# run that has not exited is taken as hung. GuideLLM can stall after a window with every request
-# answered (its main process waiting on a worker message that never comes; reported upstream as
-# https://github.com/vllm-project/guidellm/issues/431 and /issues/1152): seen once in a CPU test
-# run, 2026-12-06, which then waited for its own timeout.
+# GuideLLM's own start (imports, tokenizer, dataset), after which a run whose window has not
+# begun is taken as hung. GuideLLM can also stall after a window with every request answered (its
+# main process waiting on a worker message that never comes; reported upstream as
+# https://github.com/vllm-project/guidellm/issues/431 and /issues/1152): in CPU test runs, 2026-12-06
+# and -07, about one draft arm in two. So once its log says the window began, the run gets the
+# window and GUIDELLM_FINISH_S to exit: a stall costs that, not the start allowance on top.
 GUIDELLM_START_S = 120.0
+GUIDELLM_WINDOW_STARTED = "Starting benchmark for strategy"
+GUIDELLM_FINISH_S = 30.0  # after its window; 7 s on a 2-core CPU for 5 s windows (0.3 s past it)
 GUIDELLM_ATTEMPTS = 2
 
 
@@ -36,36 +40,55 @@ def guidellm_point(url: str, streams: int, data: Path, tokenizer: Path, max_toke
            "--output", f"kind=json,path={out}",
            "--disable-console-interactive"]
     rc = run_watched(cmd, log, out, seconds + GUIDELLM_START_S, GUIDELLM_ATTEMPTS,
-                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                     env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                     started=(GUIDELLM_WINDOW_STARTED, seconds + GUIDELLM_FINISH_S))
     if rc != 0 or not out.exists():
         raise RuntimeError(f"guidellm exited with {rc} at {streams} streams; see {log}")
     return json.loads(out.read_text())["benchmarks"][0]
 
 
 def run_watched(cmd: list[str], log: Path, out: Path, limit_s: float, attempts: int,
-                env: dict[str, str] | None = None) -> int:
+                env: dict[str, str] | None = None, started: tuple[str, float] | None = None) -> int:
     """Run `cmd` (its output appended to `log`) in a process group of its own; one that has not
     exited after `limit_s` is stopped as a group (its forked workers too) and run again, up to
-    `attempts` times. Returns the exit status of the run that ended; raises RuntimeError naming
-    the log when every attempt hung. `out` is removed before each attempt, so a file left by a
-    stopped run is never read as a result."""
+    `attempts` times. `started` = (marker, seconds): once the attempt's output has a line with
+    `marker`, it must exit within `seconds` of it, whatever is left of `limit_s`. Returns the
+    exit status of the run that ended; raises RuntimeError naming the log when every attempt
+    hung. `out` is removed before each attempt, so a file left by a stopped run is never read
+    as a result."""
     for attempt in range(1, attempts + 1):
         out.unlink(missing_ok=True)
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
+            offset = f.tell()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            begun = time.monotonic()
+            deadline, why, watch = begun + limit_s, f"no exit after {limit_s:.0f} s", started
             try:
-                return proc.wait(timeout=limit_s)
-            except subprocess.TimeoutExpired:
-                stop_group(proc.pid, grace_s=10, leader=proc)
-                f.write(f"[watchdog] no exit after {limit_s:.0f} s (attempt {attempt} of {attempts}): "
-                        f"process group stopped\n")
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        return proc.wait(timeout=min(0.5, left))
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if watch and watch[0] in _read_from(log, offset):
+                        now = time.monotonic()
+                        deadline = min(deadline, now + watch[1])
+                        why = f"no exit {watch[1]:.0f} s after its '{watch[0]}' line ({now - begun:.0f} s in)"
+                        watch = None
             except BaseException:  # the job itself is stopped: its GuideLLM goes with it
                 stop_group(proc.pid, grace_s=10, leader=proc)
                 raise
+            stop_group(proc.pid, grace_s=10, leader=proc)
+            f.write(f"[watchdog] {why} (attempt {attempt} of {attempts}): process group stopped\n")
     raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} did not exit within {limit_s:.0f} s in any of "
                        f"{attempts} attempts (stopped each time); see {log}")
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
 
 
 def point_figures(bench: dict, before: dict, after: dict) -> dict:
