@@ -216,7 +216,7 @@ def _gone(pid: int) -> bool:
 
 def test_a_hung_guidellm_run_is_stopped_with_its_workers_and_run_again(tmp_path):
     """GuideLLM can stall after its window (https://github.com/vllm-project/guidellm/issues/431;
-    about one draft arm in two in CPU test runs): the run is stopped as a process group after its
+    about one CPU forecast test in four or five): the run is stopped as a process group after its
     limit, or soon after its window began, and run again; when every attempt hangs, the point
     fails naming the log."""
     from pipeline_lib.forecast.load import run_watched

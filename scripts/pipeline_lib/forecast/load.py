@@ -16,9 +16,10 @@ from .server import SPEC_COUNTERS
 # GuideLLM's own start (imports, tokenizer, dataset), after which a run whose window has not
 # begun is taken as hung. GuideLLM can also stall after a window with every request answered (its
 # main process waiting on a worker message that never comes; reported upstream as
-# https://github.com/vllm-project/guidellm/issues/431 and /issues/1152): in CPU test runs, 2026-12-06
-# and -07, about one draft arm in two. So once its log says the window began, the run gets the
-# window and GUIDELLM_FINISH_S to exit: a stall costs that, not the start allowance on top.
+# https://github.com/vllm-project/guidellm/issues/431 and /issues/1152): in the draft arm of about
+# one CPU forecast test in four or five (2026-12-06/07). So once its log says the window began,
+# the run gets the window and GUIDELLM_FINISH_S to exit: a stall costs that, not the start
+# allowance on top.
 GUIDELLM_START_S = 120.0
 GUIDELLM_WINDOW_STARTED = "Starting benchmark for strategy"
 GUIDELLM_FINISH_S = 30.0  # after its window; 7 s on a 2-core CPU for 5 s windows (0.3 s past it)
