@@ -82,8 +82,8 @@ def run_watched(cmd: list[str], log: Path, out: Path, limit_s: float, attempts: 
                 raise
             stop_group(proc.pid, grace_s=10, leader=proc)
             f.write(f"[watchdog] {why} (attempt {attempt} of {attempts}): process group stopped\n")
-    raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} did not exit within {limit_s:.0f} s in any of "
-                       f"{attempts} attempts (stopped each time); see {log}")
+    raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])}: none of {attempts} attempts exited (the last: {why}; "
+                       f"stopped each time); see {log}")
 
 
 def _read_from(path: Path, offset: int) -> str:
