@@ -10,11 +10,6 @@ import sysconfig
 
 from conftest import REPO
 
-# The packages the CPU stack must not have (envs/cpu-exclude.txt says why).
-EXCLUDED = {line.strip() for line in (REPO / "envs" / "cpu-exclude.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
-
-
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -28,6 +23,10 @@ def requirements(path) -> list[tuple[str, str | None]]:
             name, _, version = line.partition("==")
             out.append((canonical(re.split(r"[<>=!~\[; ]", name)[0]), version.strip() or None))
     return out
+
+
+# The packages the CPU stack must not have (envs/cpu-exclude.txt says why).
+EXCLUDED = {name for name, _ in requirements(REPO / "envs" / "cpu-exclude.txt")}
 
 
 def test_the_lock_pins_every_package_of_cpu_txt_at_its_version():
