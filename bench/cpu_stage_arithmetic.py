@@ -6,7 +6,7 @@ bf16 support is timed on a slice of the run's own data, in the dtype the run res
 --dtype), through the code the pipeline runs:
   - matmul: torch.mm on the demo target's MLP shape, all cores: this CPU's peak in that dtype;
   - traces: the pipeline's vLLM generation backend on the first --prompts prompts of the run's
-    prompts/train.jsonl (the run's max_tokens and batch size);
+    prompts/train.jsonl, each one's first user turn (the run's max_tokens and batch size);
   - hidden states: scripts/extract_hidden_states.py (vLLM backend) on the first --rows rows of
     the run's tokenized data, into a temp store;
   - training: speculators' trainer with the draft's own recorded flags (provenance.json
