@@ -103,31 +103,30 @@ def stage_traces(args, dtype: str) -> dict:
 
 
 def stage_hidden_states(args, dtype: str) -> dict:
+    from datasets import load_from_disk
+
     run = args.results
     hs = json.loads((run / "hidden_states" / "provenance.json").read_text())["settings"]
-    rows = sum(1 for _ in open_rows(run / "tokenized" / "data"))
+    rows = len(load_from_disk(str(run / "tokenized" / "data")))
     settings = {"backend": "vllm", "dtype": dtype, "storage": hs.get("storage", "bf16"),
                 "aux_layer_ids": hs.get("aux_layer_ids")}
     with tempfile.TemporaryDirectory(prefix="hs-bench-") as tmp:
         # Shard 0 of n holds the first rows/n rows: as close to --rows as whole shards allow.
         shards = max(1, round(rows / args.rows))
         out = Path(tmp) / "shard.json"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "extract_hidden_states.py"),
-                        "--settings", json.dumps(settings), "--target", str(run / "target" / "model"),
-                        "--manifest", str(run / "target" / "manifest.json"), "--data", str(run / "tokenized" / "data"),
-                        "--shard", "0", "--num-shards", str(shards), "--store-dir", str(Path(tmp) / "store"),
-                        "--out", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "extract_hidden_states.py"),
+                               "--settings", json.dumps(settings), "--target", str(run / "target" / "model"),
+                               "--manifest", str(run / "target" / "manifest.json"),
+                               "--data", str(run / "tokenized" / "data"), "--shard", "0", "--num-shards", str(shards),
+                               "--store-dir", str(Path(tmp) / "store"), "--out", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if not out.exists():
+            raise SystemExit(f"extract_hidden_states.py wrote no summary; its log ends with:\n{proc.stderr[-3000:]}")
         summary = json.loads(out.read_text())
     w = weights(run / "target" / "model")
     tokens, seconds = summary["regenerated_tokens"], summary["extract_s"]
     return {"rows": summary["rows"], "tokens": tokens, "seconds": seconds, "tok_s": summary["tokens_per_s"],
             "gflop_s": round(2 * w["body"] * tokens / seconds / 1e9, 1)}
-
-
-def open_rows(data: Path):
-    from datasets import load_from_disk
-
-    return load_from_disk(str(data))
 
 
 def stage_training(args, dtype: str) -> dict:
@@ -190,6 +189,10 @@ def main() -> None:
     ap.add_argument("--stage", choices=STAGES, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    needed = args.results / "drafts" / args.draft / "provenance.json"
+    if not needed.exists():
+        raise SystemExit(f"{needed} is missing: --results must be a finished run with the draft --draft "
+                         f"{args.draft} (`make demo` makes {ROOT / 'results' / 'smollm2-135m-demo'})")
     dtype = resolved_dtype(args)
     if args.stage:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
