@@ -6,7 +6,8 @@ bf16 support is timed on a slice of the run's own data, in the dtype the run res
 --dtype), through the code the pipeline runs:
   - matmul: torch.mm on the demo target's MLP shape, all cores: this CPU's peak in that dtype;
   - traces: the pipeline's vLLM generation backend on the first --prompts prompts of the run's
-    prompts/train.jsonl, each one's first user turn (the run's max_tokens and batch size);
+    prompts/train.jsonl, each one's first user turn (the run's max_tokens and batch size), timed
+    by bench/traces_speed.py's vLLM timing;
   - hidden states: scripts/extract_hidden_states.py (vLLM backend) on the first --rows rows of
     the run's tokenized data, into a temp store;
   - training: speculators' trainer with the draft's own recorded flags (provenance.json
@@ -75,27 +76,21 @@ def stage_matmul(args, dtype: str) -> dict:
 
 
 def stage_traces(args, dtype: str) -> dict:
+    from types import SimpleNamespace
+
     from pipeline_lib import runtime
-    from pipeline_lib.generation import GenerationSettings, PromptRequest, make_backend
+    from pipeline_lib.generation import PromptRequest
+    from traces_speed import first_turns, time_vllm  # bench/, this script's directory
 
     runtime.setup()
-    runtime.vllm_engine_in_process()
     cfg = json.loads((args.results / "traces" / "provenance.json").read_text())["settings"]
-    settings = GenerationSettings.from_dict({"backend": "vllm", "max_tokens": cfg["max_tokens"],
-                                             "batch_size": cfg["batch_size"]})
-    rows = [json.loads(line) for line in (args.results / "prompts" / "train.jsonl").open()][:args.prompts]
-    requests = [PromptRequest(r["id"], [next(m for m in r["messages"] if m["role"] == "user")]) for r in rows]
-    backend = make_backend(settings, args.results / "target" / "model", dtype, log=print)
-    backend.start()
-    list(backend.generate(requests[:4]))  # untimed warm-up
-    t0 = time.perf_counter()
-    done = list(backend.generate(requests))
-    seconds = time.perf_counter() - t0
-    if hasattr(backend, "close"):
-        backend.close()
+    requests = [PromptRequest(f"p{i}", m)
+                for i, m in enumerate(first_turns(args.results / "prompts" / "train.jsonl", args.prompts))]
+    timed = time_vllm(SimpleNamespace(target=args.results / "target" / "model", dtype=dtype,
+                                      max_tokens=cfg["max_tokens"], batch_size=cfg["batch_size"]),
+                      requests, requests[:4])
     w = weights(args.results / "target" / "model")
-    prompt = sum(c.prompt_tokens for c in done)
-    generated = sum(c.completion_tokens for c in done)
+    prompt, generated, seconds = timed["prompt_tokens"], timed["tokens"], timed["seconds"]
     flop = 2 * w["body"] * (prompt + generated) + 2 * w["lm_head"] * generated
     return {"prompts": len(requests), "max_tokens": cfg["max_tokens"], "batch_size": cfg["batch_size"],
             "prompt_tokens": prompt, "generated_tokens": generated, "seconds": round(seconds, 1),
@@ -195,7 +190,6 @@ def main() -> None:
                          f"{args.draft} (`make demo` makes {ROOT / 'results' / 'smollm2-135m-demo'})")
     dtype = resolved_dtype(args)
     if args.stage:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         result = globals()[f"stage_{args.stage}"](args, dtype)
         args.out.write_text(json.dumps(result))
         return

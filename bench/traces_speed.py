@@ -151,7 +151,8 @@ def time_vllm(args, requests, warm) -> dict:
     tokens = sum(c.completion_tokens or 0 for c in completions)
     if hasattr(backend, "close"):
         backend.close()
-    return {"tokens": tokens, "seconds": round(seconds, 2), "tok_s": round(tokens / seconds),
+    return {"tokens": tokens, "prompt_tokens": sum(c.prompt_tokens or 0 for c in completions),
+            "seconds": round(seconds, 2), "tok_s": round(tokens / seconds),
             "engine_start_s": round(start_s, 1), "answered": sum(1 for c in completions if c.completion_tokens)}
 
 
