@@ -25,7 +25,6 @@ sampling"): the draft arm then runs once at its own acceptance (a random draft: 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import sys
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli, dtypes, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
-from pipeline_lib.forecast import curve, load, shapes  # noqa: E402
-from pipeline_lib.forecast.server import Server, scrape  # noqa: E402
+from pipeline_lib.forecast import curve, load  # noqa: E402
+from pipeline_lib.forecast.arms import (NATURAL, Arm, draft_dir, flag_impossible,  # noqa: E402,F401 (tests call flag_impossible here)
+                                         measure_arm, tensor_parallel_args)
 from pipeline_lib.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance, accelerator  # noqa: E402
 
@@ -43,7 +43,6 @@ DEFAULTS = {"weights": "real", "tau": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "concurren
             "seconds": 12.0, "warmup": 0.1, "max_tokens": 128, "min_requests": 8, "max_model_len": 2048,
             "dtype": "auto", "draft_type": "eagle3", "draft_layers": 1, "draft_vocab_size": 32000,
             "num_speculative_tokens": 3, "aux_layer_ids": None}
-TAU_TOLERANCE = 0.15  # the tau counted at a synthetic point may differ from the one asked by sampling noise
 
 
 def parse_args():
@@ -88,87 +87,6 @@ def resolve(settings: dict, on_gpu: bool) -> dict:
     return s
 
 
-def draft_dir(s: dict, target: Path, work: Path, with_weights: bool) -> Path:
-    """The run's draft as vLLM will load it: config only (dummy weights), or with random
-    weights where the target loads its real ones (vLLM loads the draft like the target)."""
-    out = work / "draft"
-    shutil.rmtree(out, ignore_errors=True)
-    shapes.write_draft_config(target, out, s["draft_type"], s["draft_layers"], s["draft_vocab_size"],
-                              s["num_speculative_tokens"], s["aux_layer_ids"])
-    if with_weights:
-        shapes.write_random_draft_weights(out)
-    return out
-
-
-def measure_arm(server_args: dict, arm: str, tau_set: float | None, s: dict, data: Path, target: Path,
-                work: Path, record: dict) -> None:
-    tag = "nodraft" if tau_set is None and arm == curve.NO_DRAFT else f"tau-{tau_set}" if tau_set else "draft"
-    t = time.time()
-    try:
-        with Server(log=work / f"server-{tag}.log", **server_args) as server:
-            record["arms"].append({"arm": arm, "tau_set": tau_set, "start_s": round(server.start_s, 1)})
-            print(f"[forecast] {tag}: server up in {server.start_s:.0f} s", flush=True)
-            for n in s["concurrency"]:
-                before = scrape(server.url)
-                try:
-                    bench = load.guidellm_point(server.url, n, data, target, s["max_tokens"], s["seconds"], s["warmup"],
-                                                work / f"guidellm-{tag}-{n}.json", work / f"guidellm-{tag}.log")
-                    p = {"arm": arm, "tau_set": tau_set, "streams": n, **load.point_figures(bench, before, scrape(server.url))}
-                    if not p["tok_s_per_user"] and p["output_tok_s"]:
-                        # Dummy weights emit token ids the tokenizer may not have: their text is empty,
-                        # GuideLLM sees no chunks to time. Closed loop: each stream gets 1/n of the output.
-                        p["tok_s_per_user"], p["tok_s_per_user_from"] = p["output_tok_s"] / n, "output tok/s / streams"
-                    p["not_measured"] = load.check_point(p, s["min_requests"])
-                    if not p["not_measured"] and tau_set is not None and p["tau"] is not None \
-                            and abs(p["tau"] - tau_set) > TAU_TOLERANCE:
-                        p["not_measured"] = (f"the server counted tau {p['tau']:.2f} for a synthetic tau of "
-                                             f"{tau_set:.2f}: the synthetic sampler did not run as asked")
-                except (RuntimeError, OSError) as err:  # GuideLLM failed, or the server died mid-point
-                    p = {"arm": arm, "tau_set": tau_set, "streams": n,
-                         "not_measured": f"{err}" + (f"; server log: {server.log}" if server.proc.poll() is not None else "")}
-                record["points"].append(p)
-                atomic_write_json(work / "partial.json", record)  # what a stopped run still has
-                print(f"[forecast] {tag} @{n}: " + (p["not_measured"] or
-                      f"{p['output_tok_s']:,.0f} tok/s, {p['tok_s_per_user']:,.1f} tok/s/user, tau {p['tau']}"), flush=True)
-    except RuntimeError as err:
-        # An arm whose server does not start is a finding (the engine refused the draft), kept as such.
-        record["arms"].append({"arm": arm, "tau_set": tau_set, "error": str(err)[-2000:], "wall_s": round(time.time() - t, 1)})
-        for n in s["concurrency"]:
-            record["points"].append({"arm": arm, "tau_set": tau_set, "streams": n,
-                                     "not_measured": f"the server did not start: {str(err).splitlines()[0]}"})
-        print(f"[forecast] {tag}: server failed: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
-
-
-def tensor_parallel_args(on_gpu: bool) -> list[str]:
-    """The target over every GPU the job was given (resources.forecast.gpu; run_on_gpus.py sets
-    CUDA_VISIBLE_DEVICES), as it is served: a target that needs 8 GPUs is forecast on 8."""
-    if not on_gpu:
-        return []
-    import torch
-
-    n = torch.cuda.device_count()
-    return ["--tensor-parallel-size", str(n)] if n > 1 else []
-
-
-def flag_impossible(points: list[dict]) -> None:
-    """A speedup above the tau counted (5% margin) is impossible for a draft: each verify step
-    emits at most the accepted tokens plus one. Such a point is not measured. The speedup is the
-    one reported (curve.speedup_rows: output tok/s with / without the draft at the same streams),
-    not the per-user figure from inter-token latency, which leaves out the time to first token:
-    on a CPU with 12-token answers that figure put a random draft (tau 1.00) at 1.13x while its
-    output tok/s was half the target's alone (2026-12-06, CI)."""
-    base = {p["streams"]: p for p in points if p["arm"] == curve.NO_DRAFT and not p.get("not_measured")}
-    for p in points:
-        b = base.get(p["streams"])
-        if p["arm"] == curve.NO_DRAFT or p.get("not_measured") or not b or not p.get("tau") \
-                or not b.get("output_tok_s"):
-            continue
-        gain = p["output_tok_s"] / b["output_tok_s"]
-        if gain > p["tau"] * 1.05:
-            p["not_measured"] = (f"speedup {gain:.2f} (output tok/s with / without the draft) above the acceptance "
-                                 f"length {p['tau']:.2f}: the arms did not run alike")
-
-
 def main() -> int:
     args = parse_args()
     # A SIGTERM (a time budget, Snakemake's own stop) unwinds the `with Server` blocks, which stop
@@ -187,7 +105,7 @@ def main() -> int:
     dummy = s["weights"] == "dummy"
     started = time.time()
     common = dict(target=args.target, dtype=s["dtype"], max_model_len=s["max_model_len"],
-                  load_format="dummy" if dummy else None, max_num_seqs=max(s["concurrency"]),
+                  max_num_seqs=max(s["concurrency"]),
                   enforce_eager=not on_gpu, extra_args=tensor_parallel_args(on_gpu))
     # Synthetic acceptance needs vLLM's GPU sampler; a trained --draft is measured as it accepts.
     synthetic = on_gpu and args.draft is None
@@ -210,14 +128,14 @@ def main() -> int:
         record["vllm_version"] = vllm.__version__
     except Exception:  # the record says which vLLM where it can
         record["vllm_version"] = None
-    measure_arm({**common, "speculative_config": None}, curve.NO_DRAFT, None, s, data, args.target, work, record)
+    loads, weights = [(NATURAL, s["concurrency"])], "dummy" if dummy else None
+    arms = [Arm(curve.NO_DRAFT, "nodraft", load_format=weights, loads=loads)]
     if synthetic:
-        for tau in s["tau"]:
-            measure_arm({**common, "speculative_config": {**spec, "rejection_sample_method": "synthetic",
-                                                          "synthetic_acceptance_length": tau}},
-                        "draft", tau, s, data, args.target, work, record)
+        arms += [Arm("draft", f"tau-{tau}", spec, tau_set=tau, load_format=weights, loads=loads) for tau in s["tau"]]
     else:
-        measure_arm({**common, "speculative_config": spec}, "draft", None, s, data, args.target, work, record)
+        arms.append(Arm("draft", "draft", spec, load_format=weights, loads=loads))
+    for arm in arms:
+        measure_arm(arm, common, s, {NATURAL: data}, args.target, work, record)
     flag_impossible(record["points"])
     record.update(curve.summary(record["points"], s["concurrency"]))
     record["wall_s"] = round(time.time() - started, 1)

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import forecast_speedup  # noqa: E402
 from pipeline_lib.errors import PipelineError  # noqa: E402
 from pipeline_lib.forecast import curve  # noqa: E402
+from pipeline_lib.forecast import load as load_mod  # noqa: E402
 from pipeline_lib.report import forecast as report_forecast  # noqa: E402
 
 RECORDS = REPO / "bench/results/forecast-h100-2026-12-06"
@@ -268,3 +269,74 @@ def test_shapes_table_gives_the_output_speedup_of_a_run_stopped_at_its_budget(tm
     assert "no draft, output tok/s (per user)" in header and "per user at tau" not in header
     assert "| 84 (87) | 0.81 (1.00), 1.04 (1.31) | 1.26 |" in at_1, at_1
     assert "| 4,341 (76) | 0.55 (1.00) | > 1.00" in at_64, at_64
+
+
+# --- bench/forecast_check.py: the forecast against a trained draft (issue: does the forecast hold?)
+sys.path.insert(0, str(REPO / "bench"))
+import forecast_check  # noqa: E402
+from pipeline_lib.forecast import arms as forecast_arms  # noqa: E402
+
+
+def _pt(arm, tag, streams, tok_s, load="fixed", weights="real", tau=None, drafts=0, rates=None):
+    return {"arm": arm, "tag": tag, "streams": streams, "load": load, "weights": weights, "output_tok_s": tok_s,
+            "tok_s_per_user": tok_s / streams, "tau": tau, "drafts": drafts, "acceptance_rates": rates,
+            "tau_set": None, "not_measured": None}
+
+
+def test_the_check_compares_each_forecast_arm_with_its_own_baseline_and_the_trained_draft():
+    """Speedup = an arm over the no-draft arm of its own weights at the same streams and load;
+    error = forecast speedup / measured - 1. The dummy arms' baseline is the dummy target, never
+    the real one (dummy weights decode at another rate: empty text, no EOS)."""
+    nd = curve.NO_DRAFT
+    points = [_pt(nd, "target", 1, 100.0), _pt(nd, "target", 1, 140.0, load="natural"),
+              _pt("trained", "trained", 1, 60.0, tau=1.8, drafts=100, rates=[0.6, 0.15, 0.05]),
+              _pt("trained", "trained", 1, 70.0, load="natural", tau=1.8, drafts=80),
+              _pt(nd, "dummy-target", 1, 200.0, weights="dummy"),
+              _pt("forecast-dummy", "forecast-dummy", 1, 220.0, weights="dummy", tau=1.8, drafts=100),
+              _pt("forecast-real", "forecast-real", 1, 105.0, tau=1.8, drafts=100),
+              _pt("trained-synthetic", "trained-synthetic", 4, 50.0, tau=1.8, drafts=100)]  # no baseline at 4
+    (row,) = forecast_check.comparison(points, [1])
+    assert row["measured"] == pytest.approx(0.60) and row["measured_tau"] == pytest.approx(1.8)
+    assert row["forecast-dummy"] == pytest.approx(1.10) and row["forecast-dummy_error"] == pytest.approx(1.10 / 0.60 - 1)
+    assert row["forecast-real"] == pytest.approx(1.05) and row["forecast-real_error"] == pytest.approx(1.05 / 0.60 - 1)
+    assert row["forecast-rates"] is None and row["forecast-rates_error"] is None  # not run: no figure
+    assert row["trained-synthetic"] is None
+    assert row["measured_natural"] == pytest.approx(0.50)
+    table = forecast_check.table_md({"comparison": [row], "settings": {"max_tokens": 128}, "accelerator": {},
+                                     "tau": 1.8, "rates": [0.6, 0.15, 0.05], "note": None})
+    assert "| 1 | 0.60 at tau 1.80 | 1.10 (+83%) ** | 1.05 (+75%) ** | - | - | 0.50 |" in table
+
+
+def test_pooled_acceptance_weights_points_by_drafts_and_keeps_rates_non_increasing():
+    pts = [_pt("trained", "t", 1, 1.0, tau=2.0, drafts=100, rates=[0.7, 0.2, 0.1]),
+           _pt("trained", "t", 4, 1.0, tau=1.5, drafts=300, rates=[0.3, 0.12, 0.08])]
+    tau, rates = forecast_check.pooled_acceptance(pts)
+    assert tau == pytest.approx(1 + (100 * 1.0 + 300 * 0.5) / 400)
+    assert rates == pytest.approx([0.4, 0.14, 0.085], abs=1e-4)
+    assert tau == pytest.approx(1 + sum(rates), abs=1e-3)  # what the synthetic arms are asked for
+    noisy = [_pt("trained", "t", 1, 1.0, tau=1.5, drafts=10, rates=[0.3, 0.1, 0.1 + 1e-3])]
+    assert forecast_check.pooled_acceptance(noisy)[1] == [0.3, 0.1, 0.1]  # vLLM refuses an increase
+    assert forecast_check.pooled_acceptance([{**pts[0], "not_measured": "2 requests failed"}]) == (None, None)
+
+
+def test_the_scalar_synthetic_schedule_is_vllms_own():
+    """The record sets the trained draft's per-position rates beside the schedule vLLM makes of a
+    scalar tau (all or nothing per position): vLLM's own conversion must agree."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    for tau, k in ((1.0, 3), (1.87, 3), (2.5, 3), (4.0, 3), (2.79, 5)):
+        assert forecast_arms.synthetic_schedule(tau, k) == pytest.approx(SpeculativeConfig._acceptance_length_to_rates(tau, k))
+    arm = forecast_arms.Arm("draft", "r", {"method": "eagle3"}, rates_set=[0.5, 0.2, 0.1])
+    assert arm.server_config()["synthetic_acceptance_rates"] == [0.5, 0.2, 0.1]
+    assert arm.expected_tau() == pytest.approx(1.8)
+    assert forecast_arms.Arm("draft", "t", {"method": "eagle3"}, tau_set=1.8).server_config() == {
+        "method": "eagle3", "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 1.8}
+
+
+def test_fixed_length_prompts_ask_guidellm_for_exact_answers(tmp_path):
+    """GuideLLM sends ignore_eos and the count for rows with output_tokens_count (checked against
+    real servers by the CPU rehearsal: every answer 16 tokens)."""
+    fixed = json.loads(load_mod.prompts_file(["a", "b"], tmp_path / "f.json", repeat=2, output_tokens=16).read_text())
+    assert fixed == [{"prompt": "a", "output_tokens_count": 16}, {"prompt": "b", "output_tokens_count": 16}] * 2
+    natural = json.loads(load_mod.prompts_file(["a"], tmp_path / "n.json", repeat=1).read_text())
+    assert natural == [{"prompt": "a"}]

@@ -22,6 +22,8 @@ vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 300.0
 vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 900.0
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 350.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 200.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 110.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="2"} 40.0
 vllm:generation_tokens_total{engine="0",model_name="target"} 1234.0
 """
 
@@ -55,7 +57,13 @@ def test_the_metrics_scrape_sums_the_spec_decode_counters(monkeypatch):
     monkeypatch.setattr(server_mod.urllib.request, "urlopen", lambda url, timeout: Response())
     got = sc.scrape("http://127.0.0.1:1")
     assert got == {"vllm:spec_decode_num_drafts_total": 300.0, "vllm:spec_decode_num_accepted_tokens_total": 350.0,
-                   "vllm:spec_decode_num_draft_tokens_total": 900.0}
+                   "vllm:spec_decode_num_draft_tokens_total": 900.0,
+                   "vllm:spec_decode_num_accepted_tokens_per_pos_total": {0: 200.0, 1: 110.0, 2: 40.0}}
+    # per position, the deltas over the drafts: vLLM's synthetic_acceptance_rates of the window
+    before = {**counters(100, 50), server_mod.PER_POSITION: {0: 40.0, 1: 10.0, 2: 0.0}}
+    rates = sc.point_figures(RECORD, before, got)["acceptance_rates"]
+    assert rates == pytest.approx([160 / 200, 100 / 200, 40 / 200])
+    assert sum(rates) + 1 == pytest.approx(sc.point_figures(RECORD, before, got)["tau"])
 
 
 def test_a_gain_above_the_acceptance_length_is_flagged_not_reported():

@@ -14,17 +14,26 @@ from typing import Iterable
 NO_DRAFT = "no draft"
 
 
+def point_key(p: dict) -> tuple:
+    """What a draft point is compared on with its no-draft point: the same requests in flight,
+    load (natural or fixed-length answers) and weights (real or dummy). Records written before
+    loads and weights were named have neither: one load, one kind of weights."""
+    return p["streams"], p.get("load"), p.get("weights")
+
+
 def speedup_rows(points: Iterable[dict]) -> list[dict]:
-    """One row per draft point that has a measured no-draft point at the same streams."""
+    """One row per draft point that has a measured no-draft point at the same streams, load
+    and weights."""
     points = [p for p in points if not p.get("not_measured")]
-    base = {p["streams"]: p for p in points if p["arm"] == NO_DRAFT}
+    base = {point_key(p): p for p in points if p["arm"] == NO_DRAFT}
     rows = []
     for p in points:
-        if p["arm"] == NO_DRAFT or p["streams"] not in base:
+        if p["arm"] == NO_DRAFT or point_key(p) not in base:
             continue
-        b = base[p["streams"]]
+        b = base[point_key(p)]
         tau = p.get("tau") or p.get("tau_set")
-        rows.append({"streams": p["streams"], "tau_set": p.get("tau_set"), "tau": tau,
+        rows.append({"arm": p["arm"], "load": p.get("load"), "weights": p.get("weights"),
+                     "streams": p["streams"], "tau_set": p.get("tau_set"), "tau": tau,
                      "speedup": p["output_tok_s"] / b["output_tok_s"],
                      "per_user_ratio": p["tok_s_per_user"] / b["tok_s_per_user"],
                      "tok_s_per_user": p["tok_s_per_user"], "no_draft_tok_s_per_user": b["tok_s_per_user"]})

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..hidden_states.server import stop_group
-from .server import SPEC_COUNTERS
+from .server import PER_POSITION, SPEC_COUNTERS
 
 # GuideLLM's own start (imports, tokenizer, dataset), after which a run whose window has not
 # begun is taken as hung. GuideLLM can also stall after a window with every request answered (its
@@ -99,6 +99,8 @@ def point_figures(bench: dict, before: dict, after: dict) -> dict:
     drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
     accepted = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
     itl = m["inter_token_latency_ms"]["successful"]["mean"]
+    pos_after, pos_before = after.get(PER_POSITION) or {}, before.get(PER_POSITION) or {}
+    per_pos = [pos_after[i] - pos_before.get(i, 0.0) for i in sorted(pos_after)]
     return {
         "requests_ok": totals["successful"], "requests_errored": totals["errored"],
         "requests_incomplete": totals["incomplete"],
@@ -110,6 +112,8 @@ def point_figures(bench: dict, before: dict, after: dict) -> dict:
         "output_tokens_per_request": m["output_token_count"]["successful"]["mean"],
         "tau": 1 + accepted / drafts if drafts else None,
         "drafts": drafts,
+        # P(the first i+1 draft tokens all accepted), per position i: vLLM's synthetic_acceptance_rates
+        "acceptance_rates": [a / drafts for a in per_pos] if drafts and per_pos else None,
         "guidellm_warnings": [w.get("message") for w in bench.get("warnings") or []],
     }
 
@@ -125,8 +129,10 @@ def check_point(p: dict, min_requests: int) -> str | None:
     return None
 
 
-def prompts_file(turns: list[str], path: Path, repeat: int = 64) -> Path:
+def prompts_file(turns: list[str], path: Path, repeat: int = 64, output_tokens: int | None = None) -> Path:
     """GuideLLM's data file: the same prompts for every arm, repeated so that no point runs out
-    of them (128 streams finish 80 MT-Bench prompts within a second on a GPU)."""
-    path.write_text(json.dumps([{"prompt": t} for _ in range(repeat) for t in turns]))
+    of them (128 streams finish 80 MT-Bench prompts within a second on a GPU). `output_tokens`:
+    every answer exactly that long (GuideLLM then asks with ignore_eos), whatever the weights."""
+    extra = {} if output_tokens is None else {"output_tokens_count": int(output_tokens)}
+    path.write_text(json.dumps([{"prompt": t, **extra} for _ in range(repeat) for t in turns]))
     return path

@@ -21,17 +21,29 @@ from ..processes import parent_death_hook
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
                  "vllm:spec_decode_num_draft_tokens_total")
+# Accepted tokens per draft position, labelled position="i": with greedy verification the i-th
+# is accepted only after all before it, so count / drafts = the unconditional rate of position i.
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 START_TIMEOUT_S = 900
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The server's speculative-decoding counters, summed over label sets."""
+def scrape(url: str) -> dict:
+    """The server's speculative-decoding counters, summed over label sets; PER_POSITION maps
+    each draft position to its accepted count."""
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    out: dict = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    out[PER_POSITION] = {}
     for line in text.splitlines():
         m = re.match(r"^([a-z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and m.group(1) in out:
+        if not m:
+            continue
+        if m.group(1) in SPEC_COUNTERS:
             out[m.group(1)] += float(m.group(3))
+        elif m.group(1) in (PER_POSITION, PER_POSITION.removesuffix("_total")):
+            pos = re.search(r'position="(\d+)"', m.group(2) or "")
+            if pos:
+                i = int(pos.group(1))
+                out[PER_POSITION][i] = out[PER_POSITION].get(i, 0.0) + float(m.group(3))
     return out
 
 
