@@ -72,8 +72,8 @@ def readme_rows(f: dict[str, dict[str, str]], g: dict[str, dict[str, int]]) -> l
         f"| hidden states: GPU memory per GPU; GPU-hours | {a['mem hidden_states']} ({per_job(ga['hidden_states'])}); "
         f"{a['gpu_h hidden_states']} | {b['mem hidden_states']} ({per_job(gb['hidden_states'])}); "
         f"{b['gpu_h hidden_states']} |",
-        f"| training: GPU memory per GPU; GPU-hours | {a['mem train']} ({ga['train']} GPUs); {a['gpu_h train']} "
-        f"| {b['mem train']} ({gb['train']} GPUs); {b['gpu_h train']} |",
+        f"| training: GPU memory per GPU; GPU-hours | {a['mem train']} ({per_job(ga['train'])}); {a['gpu_h train']} "
+        f"| {b['mem train']} ({per_job(gb['train'])}); {b['gpu_h train']} |",
         f"| verification: GPU memory on its one GPU | {a['mem verify']} | {b['mem verify']} |",
     ]
 
@@ -145,7 +145,7 @@ def test_gpu_memory_follows_the_code_paths():
 
     cfg = yaml.safe_load(CONFIGS["8B"].read_text())
     validate(cfg, str(REPO / "schemas/config.schema.yaml"))
-    params, hidden, vocab = 8_030_261_248, 4096, 128_256
+    params, hidden, vocab = 8_190_735_360, 4096, 151_936
     plan = make_plan(cfg, REPO / "results" / "no-such-run")
     mem = {stage: m["bytes_per_gpu"] for stage, m in plan["gpu_memory"].items()}
     draft = plan["variants"]["default"]["draft_parameters"]
@@ -166,7 +166,7 @@ def test_gpu_memory_follows_the_code_paths():
     cfg["hidden_states"].update(mode="online", backend="vllm")
     plan = make_plan(cfg, REPO / "results" / "no-such-run")
     assert "hidden_states" not in plan["gpu_memory"]  # no extraction job online
-    assert plan["gpu_memory"]["train"]["bytes_per_gpu"] == max(mem["train"], params * 2 // 2)  # server on 2 GPUs
+    assert plan["gpu_memory"]["train"]["bytes_per_gpu"] == max(mem["train"], params * 2)  # server on 1 GPU
 
     del cfg["plan"]["target_shape"]["num_parameters"]
     plan = make_plan(cfg, REPO / "results" / "no-such-run")

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .hidden_states.formats import FORMATS
 from . import dtypes
 from .io import human_bytes
+from .resources import stage_gpus, stage_resources
 from .stages import STAGES, plan_instances, trains_online, variant_config
 
 # Throughputs used when the config gives none: per GPU, measured on one H200 (see README).
@@ -91,11 +93,7 @@ def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str
     params = shape.get("num_parameters")
     hidden = shape.get("hidden_size")
     vocab = shape.get("vocab_size")
-    res = config.get("resources", {})
-
-    def gpus(stage):
-        return int({**(res.get("default") or {}), **(res.get(stage) or {})}.get("gpu") or 0)
-
+    gpus = partial(stage_gpus, config)
     out: dict[str, dict] = {}
     gen, hs, ver = config["generation"], config["hidden_states"], config["verify"]
     # Traces compute in generation.dtype (resolved; unset: the target's stored dtype).
@@ -222,7 +220,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
 
     variants = {}
     ckpt_total = 0
-    train_res = {**(config.get("resources", {}).get("default") or {}), **(config.get("resources", {}).get("train") or {})}
+    train_res = stage_resources(config, "train")
     _, instances = plan_instances(config)
     for name in sorted(config["variants"]):
         cfg = variant_config(config, name)
@@ -241,11 +239,6 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
                           # what this variant's own mode costs
                           "train_gpu_hours": round(online_h if trains_online(cfg) else gpu_h, 3)}
         ckpt_total += ckpt or 0
-
-    res = config.get("resources", {})
-
-    def stage_res(stage):
-        return {**(res.get("default") or {}), **(res.get(stage) or {})}
 
     # Variants that change upstream settings add stage instances (pipeline_lib/stages.py).
     per_stage = {stage: [i for i in instances.values() if i.stage == stage] for stage in STAGES}
@@ -286,7 +279,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "run_name": config["run_name"],
         "target_shape": shape,
         "jobs": jobs,
-        "resources": {stage: stage_res(stage)
+        "resources": {stage: stage_resources(config, stage)
                       for stage in ("default", "synthesize", "traces", "hidden_states", "train", "verify")},
         "prompts": n_prompts,
         "trace_completion_tokens_max": completion_tokens,
