@@ -18,18 +18,34 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .acceptance.job import BASELINE_KEYS
 from .hidden_states.formats import FORMATS
 from . import dtypes
 from .io import human_bytes
 from .resources import stage_gpus, stage_resources
 from .stages import STAGES, plan_instances, trains_online, variant_config
 
-# Throughputs used when the config gives none: per GPU, measured on one H200 (see README).
+# Throughputs used where the config gives none and the target's parameter count is unknown:
+# per GPU, measured on one H200 with the demo's small targets (see README).
 DEFAULT_THROUGHPUT = {
     "generation_tokens_per_s": 2000.0,
     "extraction_tokens_per_s": 40000.0,
     "train_tokens_per_s": 60000.0,
 }
+# With the parameter count known, tokens/s per GPU follow the model's size: a forward pass costs
+# about 2 x parameters FLOPs a token (the target: traces, hidden states, synthesis, verification);
+# training the draft 6 x its parameters (forward 2 + backward 4; less the embedding copy, a
+# lookup) a token per TTT step; at plan.utilization of plan.gpu_peak_tflops.
+FORWARD_FLOPS_PER_PARAM = 2
+TRAIN_FLOPS_PER_PARAM = 6
+# Eval prompts counted where no num_samples caps a set (MT-Bench has 80).
+EVAL_PROMPTS_UNCAPPED = 80
+# A vLLM engine's start (weights loaded, CUDA graphs captured), held on its job's GPUs: the
+# verify stage and the forecast start several, and decode little.
+ENGINE_START_S = 300
+# Engines the verify stage starts per draft: the load check, the trained and the untrained
+# draft's acceptance, the speedup rounds' two (without and with the draft); plus one baseline.
+VERIFY_ENGINES_PER_DRAFT = 5
 GPU_STAGES = {"traces": "traces_shard", "hidden_states": "hidden_states_shard", "train": "train_draft",
               "verify": "acceptance"}
 
@@ -148,6 +164,60 @@ def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str
     return out
 
 
+def flops_per_s(plan_cfg: dict[str, Any]) -> float:
+    """What one GPU computes at the planned utilization (plan.utilization x plan.gpu_peak_tflops)."""
+    return plan_cfg.get("utilization", 0.4) * plan_cfg.get("gpu_peak_tflops", 989.0) * 1e12
+
+
+def assumed_throughput(plan_cfg: dict[str, Any], target_params: int | None) -> tuple[dict[str, float], str]:
+    """Tokens/s per GPU of the target's forward stages, and how they were made: the config's
+    measured figures (plan.throughput) first, else from the target's size, else the fixed defaults."""
+    given = plan_cfg.get("throughput") or {}
+    if target_params:
+        forward = flops_per_s(plan_cfg) / (FORWARD_FLOPS_PER_PARAM * target_params)
+        base = {"generation_tokens_per_s": forward, "extraction_tokens_per_s": forward}
+        how = (f"{FORWARD_FLOPS_PER_PARAM} x {target_params:,} parameters FLOPs a token at "
+               f"{plan_cfg.get('utilization', 0.4):.0%} of {plan_cfg.get('gpu_peak_tflops', 989.0):g} TFLOP/s")
+    else:
+        base, how = dict(DEFAULT_THROUGHPUT), "fixed defaults: the target's parameter count is unknown"
+    if given:
+        how += "; measured: " + ", ".join(sorted(given))
+    return {**base, **given}, how
+
+
+def train_throughput(plan_cfg: dict[str, Any], draft_params: int | None, embedding: int, ttt_steps: int) -> float:
+    """Training tokens/s per GPU: the measured figure, else the draft's FLOPs a token (every TTT
+    step) at the planned utilization, else the fixed default."""
+    given = (plan_cfg.get("throughput") or {}).get("train_tokens_per_s")
+    if given or not draft_params:
+        return given or DEFAULT_THROUGHPUT["train_tokens_per_s"]
+    return flops_per_s(plan_cfg) / (TRAIN_FLOPS_PER_PARAM * (draft_params - embedding) * ttt_steps)
+
+
+def verify_decoded_tokens(config: dict[str, Any], variants: int) -> int:
+    """Tokens the verify stage decodes, at most (every answer max_tokens long): the baseline once
+    (eval prompts and each suite), and per draft its acceptance on the same prompts, the untrained
+    draft's and the speedup rounds (without and with the draft)."""
+    v = config["verify"]
+    prompts = v["num_prompts"] or config["prompts"]["eval"].get("num_samples") or EVAL_PROMPTS_UNCAPPED
+    suites = sum(s.get("num_samples") or EVAL_PROMPTS_UNCAPPED for s in v.get("suites") or [])
+    untrained = v.get("untrained_prompts") or prompts
+    rounds = v.get("speedup_rounds", 0) * 2 * (v.get("concurrency_one_prompts", 0) + v.get("speedup_batch_prompts", 0))
+    per_draft = prompts + suites + untrained + rounds
+    return v["max_tokens"] * (prompts + suites + variants * per_draft)
+
+
+def forecast_gpu_hours(config: dict[str, Any]) -> float:
+    """The forecast holds its GPUs for one server per tau plus the baseline, each measured for
+    `seconds` at every concurrency, after its start (ENGINE_START_S)."""
+    f = config.get("forecast") or {}
+    if not f.get("enabled"):
+        return 0.0
+    servers = len(f.get("tau") or []) + 1
+    per_server = len(f.get("concurrency") or []) * f.get("seconds", 12) + ENGINE_START_S
+    return max(1, stage_gpus(config, "forecast")) * servers * per_server / 3600
+
+
 def synthesized_entries(prompts: dict[str, Any]) -> list[dict[str, Any]]:
     """The prompts.train entries that read the synthesize stage's requests."""
     train = prompts["train"]
@@ -180,7 +250,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
     hidden = shape.get("hidden_size")
     vocab = shape.get("vocab_size")
     gen, tok, hs = config["generation"], config["tokenize"], config["hidden_states"]
-    throughput = {**DEFAULT_THROUGHPUT, **(plan_cfg.get("throughput") or {})}
+    throughput, throughput_basis = assumed_throughput(plan_cfg, shape.get("num_parameters"))
 
     synth = config.get("synthesize") or {}
     synthesizes = bool(synthesized_entries(config["prompts"]))
@@ -231,9 +301,12 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         ckpt = params * 2 * t["keep_last"] + params * 8 if params else None
         # A data-scaling size trains on its share of the conversations (train.max_conversations).
         share = min(1.0, t["max_conversations"] / n_prompts) if t.get("max_conversations") and n_prompts else 1.0
-        gpu_h = train_tokens * share * t["epochs"] / throughput["train_tokens_per_s"] / 3600
-        online_h = online_train_gpu_hours(round(train_tokens * share), t, cfg["hidden_states"], train_res, throughput)
+        rate = train_throughput(plan_cfg, params, (hidden or 0) * (vocab or t["draft_vocab_size"]), t["ttt_steps"])
+        gpu_h = train_tokens * share * t["epochs"] / rate / 3600
+        online_h = online_train_gpu_hours(round(train_tokens * share), t, cfg["hidden_states"], train_res,
+                                          {**throughput, "train_tokens_per_s": rate})
         variants[name] = {"draft_parameters": params, "checkpoint_bytes": ckpt, "epochs": t["epochs"],
+                          "train_tokens_per_s": round(rate, 1),
                           "hidden_states_mode": cfg["hidden_states"]["mode"],
                           "offline_train_gpu_hours": round(gpu_h, 3), "online_train_gpu_hours": round(online_h, 3),
                           # what this variant's own mode costs
@@ -249,8 +322,13 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "hidden_states_shard": sum(i.settings["num_shards"] for i in per_stage["hidden_states"]),
         "hidden_states_gather": len(per_stage["hidden_states"]),
         "train_draft": len(variants), "load_check": len(variants), "contract_checks": len(variants),
+        # one baseline per distinct set of its settings (those of the verify section)
+        "acceptance_baseline": len({json.dumps([variant_config(config, v)["verify"].get(k) for k in BASELINE_KEYS])
+                                    for v in variants}),
         "acceptance": len(variants), "report": len(variants), "compare_variants": 1,
     }
+    if config["forecast"].get("enabled"):
+        jobs["forecast"] = 1
     if synthesizes:
         jobs.update(synthesize_shard=synth["num_shards"], synthesize_gather=1)
     extra = {stage: len(found) - 1 for stage, found in per_stage.items() if len(found) > 1}
@@ -268,10 +346,16 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
     if synthesizes:
         gpu_hours["synthesize"] = round(synth["num_prompts"] * synth["max_tokens"]
                                         / throughput["generation_tokens_per_s"] / 3600, 3)
+    engines = max(1, stage_gpus(config, "verify")) * (1 + VERIFY_ENGINES_PER_DRAFT * len(variants)) * ENGINE_START_S
+    gpu_hours["verify"] = round((verify_decoded_tokens(config, len(variants)) / throughput["generation_tokens_per_s"]
+                                 + engines) / 3600, 3)
+    gpu_hours["forecast"] = round(forecast_gpu_hours(config), 3)
+    # What every hidden-state option costs besides traces, extraction and training.
+    other_h = gpu_hours.get("synthesize", 0.0) + gpu_hours["verify"] + gpu_hours["forecast"]
     free = plan_cfg.get("disk_free_bytes")
     if free is None:
         free = shutil.disk_usage(results_dir if results_dir.exists() else Path(".")).free
-    options = hidden_state_options(train_tokens, per_token, ckpt_total, gpu_hours["traces"], extraction_h,
+    options = hidden_state_options(train_tokens, per_token, ckpt_total, gpu_hours["traces"] + other_h, extraction_h,
                                    variants, free)
     chosen = option_name(mode, storage)
     estimated_bytes = options[chosen]["disk_bytes"]
@@ -280,7 +364,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "target_shape": shape,
         "jobs": jobs,
         "resources": {stage: stage_resources(config, stage)
-                      for stage in ("default", "synthesize", "traces", "hidden_states", "train", "verify")},
+                      for stage in ("default", "synthesize", "traces", "hidden_states", "train", "verify", "forecast")},
         "prompts": n_prompts,
         "trace_completion_tokens_max": completion_tokens,
         "train_tokens_max": train_tokens,
@@ -296,6 +380,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "gpu_memory": gpu_memory(config, shape, variants),
         "dtypes": dtype_resolution,
         "throughput_assumed": throughput,
+        "throughput_basis": throughput_basis,
         "free_disk_bytes": free,
         "fits_disk": estimated_bytes <= free,
         "notes": notes,
@@ -388,8 +473,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines = [f"Plan for run '{plan['run_name']}' (estimates are upper bounds; no job has run):"]
     lines.append("  jobs per rule (threads / mem_mb / runtime min / gpu):")
     stage_of = {"synthesize_shard": "synthesize", "traces_shard": "traces", "hidden_states_shard": "hidden_states",
-                "train_draft": "train",
-                "acceptance": "verify", "load_check": "verify"}
+                "train_draft": "train", "acceptance_baseline": "verify",
+                "acceptance": "verify", "load_check": "verify", "forecast": "forecast"}
     for rule, n in plan["jobs"].items():
         r = plan["resources"][stage_of.get(rule, "default")]
         lines.append(f"    {rule:<22} x{n:<5} {r.get('threads')} / {r.get('mem_mb')} / {r.get('runtime')} / {r.get('gpu')}")
@@ -420,8 +505,13 @@ def format_plan(plan: dict[str, Any]) -> str:
                      f" {v['epochs']} epochs")
     g = plan["gpu_hours"]
     synthesis = f"synthesize {g['synthesize']}, " if "synthesize" in g else ""
-    lines.append(f"  GPU-hours: {synthesis}traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}"
-                 f" (at {plan['throughput_assumed']})")
+    lines.append(f"  GPU-hours: {synthesis}traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}, "
+                 f"verification {g['verify']}, forecast {g['forecast']}")
+    rates = ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:,.0f}" for k, v in plan["throughput_assumed"].items()
+                      if k != "train_tokens_per_s")
+    trains = ", ".join(f"'{n}' {v['train_tokens_per_s']:,.0f}" for n, v in plan["variants"].items())
+    lines.append(f"    tokens/s per GPU: {rates}; training {trains} ({plan['throughput_basis']}; "
+                 f"training: {TRAIN_FLOPS_PER_PARAM} x the draft's parameters a token per TTT step)")
     on_gpu = {stage: m for stage, m in plan["gpu_memory"].items() if m["gpus"]}
     if not on_gpu:
         lines.append("  GPU memory: none, every stage runs on CPU (resources.<stage>.gpu: 0)")
