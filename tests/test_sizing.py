@@ -5,6 +5,7 @@ committed page is stale. Here: the real `snakemake -n --configfile <config>` pri
 those tables hold, and the GPU-hours follow the target's size."""
 from __future__ import annotations
 
+import copy
 import subprocess
 from pathlib import Path
 
@@ -17,11 +18,14 @@ from make_docs import SIZING_CONFIGS, sizing_plans
 CONFIGS = {"8B": REPO / "configs/sizing-8b.yaml", "70B": REPO / "configs/sizing-70b.yaml"}
 
 
+def snakemake(config: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "snakemake", *args, "--cores", "1", "-d", str(workdir), "--configfile",
+                           str(config)], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
 def printed_plan(config: Path, workdir: Path) -> str:
     """The plan `snakemake -n --configfile <config>` prints (stderr), in a scratch directory."""
-    proc = subprocess.run([PY, "-m", "snakemake", "-n", "--cores", "1", "-d", str(workdir), "--configfile",
-                           str(config)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = snakemake(config, workdir, "-n")
     assert "Plan for run" in proc.stderr, proc.stderr[-3000:]
     return proc.stderr
 
@@ -102,3 +106,74 @@ def test_gpu_memory_follows_the_code_paths():
     plan = make_plan(cfg, REPO / "results" / "no-such-run")
     assert plan["gpu_memory"]["traces"]["bytes_per_gpu"] is None
     assert "set plan.target_shape.num_parameters" in format_plan(plan)
+
+
+# --------------------------------------------------------------------------- what cannot fit
+def refused(cfg: dict) -> list[str]:
+    from snakemake.utils import validate
+
+    from pipeline_lib.plan import make_plan, refusals
+
+    validate(cfg, str(REPO / "schemas/config.schema.yaml"))
+    return refusals(cfg, make_plan(cfg, REPO / "results" / "no-such-run"))
+
+
+def test_the_plan_refuses_a_70b_target_verification_cannot_hold(tmp_path):
+    """The 70B worked config: its 141 GB bf16 target, twice, plus the draft, on the one GPU the
+    verify stage uses (no tensor parallel yet), whatever resources.verify.gpu says. Snakemake
+    stops before any job, with the message and no traceback; the dry run still prints the plan."""
+    (message,) = refused(yaml.safe_load(CONFIGS["70B"].read_text()))
+    assert message.startswith("verify: 287.6 GB on one GPU") and "70,553,706,496 parameters" in message
+    assert "exceeds the 80 GB of a GPU (plan.gpu_memory_gb) with resources.verify.gpu = 8" in message
+    proc = snakemake(CONFIGS["70B"], tmp_path)
+    assert proc.returncode == 1 and "ERROR: the plan refuses this config" in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr and 'File "' not in proc.stderr
+    assert not (tmp_path / "results").exists()  # no job ran
+
+
+def test_the_plan_refuses_weights_a_stage_gpus_cannot_hold():
+    """The 70B target (141 GB in bf16) on one 80 GB GPU for its traces: refused, naming the
+    stage, the settings and the numbers; on 2 GPUs (70.6 GB each) it fits; on H200s (141 GB,
+    plan.gpu_memory_gb) one holds 141.1 GB no more than 80 GB does."""
+    cfg = yaml.safe_load(CONFIGS["70B"].read_text())
+    cfg["resources"]["verify"]["gpu"] = 0  # leave verification (the test above) out
+    cfg["resources"]["traces"]["gpu"] = 1
+    (message,) = refused(copy.deepcopy(cfg))
+    assert message.startswith("traces: 141.1 GB on one GPU (target bfloat16, tensor parallel over 1 GPU(s)")
+    assert "exceeds the 80 GB of a GPU (plan.gpu_memory_gb) with resources.traces.gpu = 1" in message
+    cfg["resources"]["traces"]["gpu"] = 2
+    assert refused(copy.deepcopy(cfg)) == []
+    cfg["resources"]["traces"]["gpu"] = 1
+    cfg["plan"]["gpu_memory_gb"] = 141
+    assert [m.split(":")[0] for m in refused(copy.deepcopy(cfg))] == ["traces"]  # 141.1 GB > 141 GB
+    cfg["plan"]["gpu_memory_gb"] = 142
+    assert refused(cfg) == []
+
+
+def test_the_plan_refuses_a_job_larger_than_a_node():
+    """A job's GPUs beyond plan.gpus_per_node: refused for a one-node stage; training may span
+    resources.train.nodes, so 16 GPUs on 2 nodes of 8 fit and on one do not."""
+    cfg = yaml.safe_load(CONFIGS["8B"].read_text())
+    cfg["plan"]["gpus_per_node"] = 8
+    cfg["resources"]["hidden_states"]["gpu"] = 16
+    cfg["resources"]["train"]["gpu"] = 16
+    assert refused(copy.deepcopy(cfg)) == [
+        "hidden_states: resources.hidden_states.gpu = 16 needs 16 GPUs on one node, but a node has 8 "
+        "(plan.gpus_per_node): give the stage at most 8 GPUs",
+        "train: resources.train.gpu = 16 needs 16 GPUs on one node, but a node has 8 (plan.gpus_per_node): "
+        "give the stage at most 8 or raise resources.train.nodes"]
+    cfg["resources"]["hidden_states"]["gpu"] = 8
+    cfg["resources"]["train"]["nodes"] = 2
+    assert refused(cfg) == []
+
+
+def test_the_parameter_count_comes_from_a_local_targets_safetensors(tiny_target):
+    """Without plan.target_shape.num_parameters, a local target's count is read from its
+    safetensors headers (no weights loaded): what the materialized manifest would record."""
+    from safetensors.torch import load_file
+
+    from pipeline_lib.plan import target_shape
+
+    shape = target_shape({"target": {"source": "local", "path": str(tiny_target)}}, REPO / "results" / "no-such-run")
+    weights = load_file(tiny_target / "model.safetensors")
+    assert shape["num_parameters"] == sum(t.numel() for t in weights.values()) > 0

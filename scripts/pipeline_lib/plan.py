@@ -13,6 +13,7 @@ and GPU-hours, and says which fits when the configured one does not:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from functools import partial
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 from .acceptance.job import BASELINE_KEYS
 from .hidden_states.formats import FORMATS
 from . import dtypes
+from .errors import PipelineError
 from .io import human_bytes
 from .resources import stage_gpus, stage_resources
 from .stages import STAGES, plan_instances, trains_online, variant_config
@@ -68,7 +70,24 @@ def target_shape(config: dict[str, Any], results_dir: Path) -> dict[str, Any]:
         for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_parameters"):
             if shape.get(key) is None and src.get(key) is not None:
                 shape[key] = src[key]
+    if shape.get("num_parameters") is None and tgt.get("source") == "local" and tgt.get("path"):
+        shape["num_parameters"] = safetensors_parameters(Path(tgt["path"]))
     return shape
+
+
+def safetensors_parameters(model_dir: Path) -> int | None:
+    """The parameter count of a model directory's safetensors files, from their headers (no
+    weights read); None without any."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(path, framework="numpy") as weights:
+            total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return total
 
 
 def draft_parameters(hidden: int, vocab: int, draft_vocab: int, layers: int, intermediate: int | None) -> int:
@@ -216,6 +235,42 @@ def forecast_gpu_hours(config: dict[str, Any]) -> float:
     servers = len(f.get("tau") or []) + 1
     per_server = len(f.get("concurrency") or []) * f.get("seconds", 12) + ENGINE_START_S
     return max(1, stage_gpus(config, "forecast")) * servers * per_server / 3600
+
+
+# The stages whose jobs each run on one node (training may span plan nodes: resources.train.nodes).
+SINGLE_NODE_STAGES = ("synthesize", "traces", "hidden_states", "verify", "forecast")
+
+
+def refusals(config: dict[str, Any], plan: dict[str, Any]) -> list[str]:
+    """What cannot fit, before any job runs: a stage whose job asks for more GPUs than a node
+    has (plan.gpus_per_node), or whose GPUs cannot hold what the code puts on each of them
+    (plan.gpu_memory_gb; weights and training state only, so the KV cache still needs room)."""
+    plan_cfg = config.get("plan") or {}
+    per_node, memory_gb = plan_cfg.get("gpus_per_node", 8), plan_cfg.get("gpu_memory_gb", 80)
+    found = []
+    for stage in SINGLE_NODE_STAGES + ("train",):
+        res = stage_resources(config, stage)
+        gpus, nodes = int(res.get("gpu") or 0), int(res.get("nodes") or 1) if stage == "train" else 1
+        if -(-gpus // nodes) > per_node:
+            where = f" over resources.train.nodes = {nodes}" if nodes > 1 else ""
+            found.append(f"{stage}: resources.{stage}.gpu = {gpus}{where} needs {-(-gpus // nodes)} GPUs on one node, "
+                         f"but a node has {per_node} (plan.gpus_per_node): give the stage at most {per_node * nodes} "
+                         + ("or raise resources.train.nodes" if stage == "train" else "GPUs"))
+    for stage, need in plan["gpu_memory"].items():
+        if need["gpus"] and need["bytes_per_gpu"] and need["bytes_per_gpu"] > memory_gb * 1e9:
+            found.append(f"{stage}: {human_bytes(need['bytes_per_gpu'])} on one GPU ({need['how']}; target "
+                         f"{plan['target_shape'].get('num_parameters'):,} parameters) exceeds the {memory_gb} GB of a GPU "
+                         f"(plan.gpu_memory_gb) with resources.{stage}.gpu = {need['gpus']}"
+                         + (": verification does not use tensor parallel yet, no GPU count fits it" if stage == "verify"
+                            else f": give the stage more GPUs (at most {per_node}, plan.gpus_per_node)"))
+    return found
+
+
+def check_fits(config: dict[str, Any], plan: dict[str, Any]) -> None:
+    found = refusals(config, plan)
+    if found:
+        raise PipelineError("the plan refuses this config, it cannot fit the GPUs (no job has run):\n  - "
+                            + "\n  - ".join(found))
 
 
 def synthesized_entries(prompts: dict[str, Any]) -> list[dict[str, Any]]:
