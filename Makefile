@@ -103,11 +103,15 @@ test-portable: env
 lint: env
 	$(SNAKEMAKE) --lint
 
+# The plan of config.yaml, or of your own config: make dry-run CONFIG=my-target.yaml (passed as
+# --configfile; configs/sizing-8b.yaml and configs/sizing-70b.yaml are worked examples).
+CONFIG ?=
+CONFIG_ARGS = $(if $(CONFIG),--configfile $(CONFIG))
 dry-run: env
-	$(SNAKEMAKE) --profile profiles/default -n
+	$(SNAKEMAKE) --profile profiles/default -n $(CONFIG_ARGS)
 
 plan: env
-	$(SNAKEMAKE) --profile profiles/default plan
+	$(SNAKEMAKE) --profile profiles/default plan $(CONFIG_ARGS)
 
 
 # Verify a finished results tree against the digests its provenance files recorded.

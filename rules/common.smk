@@ -16,6 +16,7 @@ from pipeline_lib import code_digest, stages  # noqa: E402
 from pipeline_lib.acceptance.job import BASELINE_KEYS  # noqa: E402
 from pipeline_lib.assets import PREFIX as PYPI_PREFIX, resolve_asset  # noqa: E402
 from pipeline_lib.digests import path_digest  # noqa: E402
+from pipeline_lib.resources import stage_resources  # noqa: E402
 
 # Jobs call `python` from PATH: the venv's (make/tests put .venv/bin first), or the conda env
 # below under `--sdm conda`.
@@ -283,14 +284,9 @@ def script(name):
     return SCRIPTS / name
 
 
-def stage_resources(stage):
-    res = dict(config["resources"].get("default") or {})
-    res.update(config["resources"].get(stage) or {})
-    return res
-
-
 def res(stage, key):
-    return stage_resources(stage)[key]
+    """A stage's resource (pipeline_lib/resources.py: its own over resources.default's)."""
+    return stage_resources(config, stage)[key]
 
 
 def is_packaged(ref):

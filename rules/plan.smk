@@ -19,7 +19,14 @@ rule plan:
         "python {params.script} --settings {params.settings:q} --results $(dirname {output}) --out {output} 2>&1 | tee {log}"
 
 
-if invoked_as_dry_run():
-    from pipeline_lib.plan import format_plan, make_plan
+# Every invocation plans, so what cannot fit is refused before any job runs; a dry run prints the plan.
+from pipeline_lib.errors import PipelineError  # noqa: E402
+from pipeline_lib.plan import check_fits, format_plan, make_plan  # noqa: E402
 
-    print(format_plan(make_plan(config, R)), file=sys.stderr)
+PLAN = make_plan(config, R)
+if invoked_as_dry_run():
+    print(format_plan(PLAN), file=sys.stderr)
+try:
+    check_fits(config, PLAN)
+except PipelineError as err:
+    sys.exit(f"ERROR: {err}")  # the message alone: it names the stage, the setting and the numbers

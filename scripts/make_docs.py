@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,7 +27,7 @@ import pandas as pd
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib.io import atomic_write_text, read_text  # noqa: E402
+from pipeline_lib.io import atomic_write_text, human_bytes, read_text  # noqa: E402
 from pipeline_lib.suite_stats import paired_difference, suite_figures  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -477,7 +478,98 @@ def prompt_sources(results: Path, base: str = DOCS_BASE) -> str:
                   "paired vs the PyPI mix (bold: beyond chance)"], rows)
 
 
+# ----------------------------------------------------------------------------- sizing tables
+# The worked configs' plans, as the planner makes them (pipeline_lib/plan.py); `snakemake -n
+# --configfile <config>` prints the same plan (tests/test_sizing.py).
+SIZING_CONFIGS = {"8B": REPO / "configs" / "sizing-8b.yaml", "70B": REPO / "configs" / "sizing-70b.yaml"}
+
+
+@lru_cache(maxsize=None)
+def sizing_plans() -> dict[str, dict[str, Any]]:
+    from snakemake.utils import validate
+
+    from pipeline_lib.plan import make_plan
+
+    plans = {}
+    for name, path in SIZING_CONFIGS.items():
+        cfg = yaml.safe_load(path.read_text())
+        validate(cfg, str(SCHEMA))  # fills in the schema's defaults, as Snakemake does
+        plans[name] = make_plan(cfg, Path("results") / cfg["run_name"], dtype_resolution={})  # as the rules name it
+    return plans
+
+
+def sizing_header() -> list[str]:
+    return ["stage", *(f"{name} (`configs/{path.name}`)" for name, path in SIZING_CONFIGS.items())]
+
+
+def gpus_text(plan: dict, stage: str) -> str:
+    n = plan["gpu_memory"][stage]["gpus"]
+    return f"{n} GPU a job" if n == 1 else f"{n} GPUs a job"
+
+
+def memory_text(plan: dict, stage: str) -> str:
+    size = human_bytes(plan["gpu_memory"][stage]["bytes_per_gpu"])
+    if stage == "verify":  # its engines run on one GPU, whatever the job was given (pipeline_lib/plan.py)
+        return f"{size} on one GPU (of {plan['gpu_memory'][stage]['gpus']})"
+    return f"{size} ({gpus_text(plan, stage)})"
+
+
+def sizing_row(label: str, cell: Callable[[dict], str]) -> list[str]:
+    return [label, *(cell(plan) for plan in sizing_plans().values())]
+
+
+def sizing_summary(results: Path, base: str) -> str:
+    """The README's table: per stage, GPU memory per GPU and GPU-hours."""
+    return table(sizing_header(), [
+        sizing_row("traces: GPU memory per GPU; GPU-hours",
+                   lambda p: f"{memory_text(p, 'traces')}; {p['gpu_hours']['traces']}"),
+        sizing_row("hidden states: disk in bf16 / fp8", lambda p: " / ".join(
+            human_bytes(o["hidden_state_bytes"]) for o in p["hidden_state_options"].values() if o["mode"] == "offline")),
+        sizing_row("hidden states: GPU memory per GPU; GPU-hours",
+                   lambda p: f"{memory_text(p, 'hidden_states')}; {p['gpu_hours']['hidden_states']}"),
+        sizing_row("training: GPU memory per GPU; GPU-hours",
+                   lambda p: f"{memory_text(p, 'train')}; {p['gpu_hours']['train']}"),
+        sizing_row("verification: GPU memory per GPU; GPU-hours",
+                   lambda p: f"{memory_text(p, 'verify')}; {p['gpu_hours']['verify']}"),
+        sizing_row("forecast: GPU-hours", lambda p: str(p["gpu_hours"]["forecast"])),
+        sizing_row("GPU-hours in all (offline bf16)", lambda p: str(p["hidden_state_options"]["offline bf16"]["gpu_hours_total"])),
+    ])
+
+
+def sizing(results: Path, base: str) -> str:
+    """docs/sizing.md's table: every estimate of the worked configs' plans."""
+    def rate(p: dict) -> str:
+        t = p["throughput_assumed"]
+        return (f"{t['generation_tokens_per_s']:,.0f} / "
+                + " / ".join(f"{v['train_tokens_per_s']:,.0f}" for v in p["variants"].values()))
+
+    opts = ("offline bf16", "offline fp8", "online")
+    return table(["estimate (planner)", *sizing_header()[1:]], [
+        sizing_row("training conversations; generated tokens (at most)",
+                   lambda p: f"{p['prompts']:,}; {p['trace_completion_tokens_max']:,}"),
+        sizing_row("training tokens (at most)", lambda p: f"{p['train_tokens_max']:,}"),
+        sizing_row("hidden states per token, bf16 / fp8", lambda p: " / ".join(
+            human_bytes(b) for b in p["hidden_state_bytes_per_token_by_storage"].values())),
+        sizing_row("hidden states on disk, bf16 / fp8", lambda p: " / ".join(
+            human_bytes(p["hidden_state_options"][o]["hidden_state_bytes"]) for o in opts[:2])),
+        sizing_row("disk to plan for (2x the hidden states + checkpoints): offline bf16 / offline fp8 / online",
+                   lambda p: " / ".join(human_bytes(p["hidden_state_options"][o]["disk_bytes"]) for o in opts)),
+        sizing_row("draft parameters; checkpoints", lambda p: f"{p['variants']['default']['draft_parameters']:,}; "
+                   f"{human_bytes(p['variants']['default']['checkpoint_bytes'])}"),
+        *(sizing_row(f"GPU memory per GPU: {label}", lambda p, stage=stage: memory_text(p, stage))
+          for stage, label in (("traces", "traces"), ("hidden_states", "hidden states"), ("train", "training"),
+                               ("verify", "verification"))),
+        sizing_row("tokens/s per GPU: target forward / draft training", rate),
+        sizing_row("GPU-hours: traces / hidden states / training / verification / forecast", lambda p: " / ".join(
+            str(p["gpu_hours"][k]) for k in ("traces", "hidden_states", "train", "verify", "forecast"))),
+        sizing_row("GPU-hours in all: offline (bf16 or fp8) / online", lambda p: " / ".join(
+            str(p["hidden_state_options"][o]["gpu_hours_total"]) for o in opts[1:])),
+    ])
+
+
 GENERATED: dict[str, Callable[[Path, str], str]] = {
+    "sizing": sizing,
+    "sizing-summary": sizing_summary,
     "gpu-recipe-acceptance": recipe_acceptance,
     "gpu-recipe-training": recipe_training,
     "traces-speed": traces_speed,

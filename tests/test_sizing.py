@@ -1,11 +1,11 @@
 """The sizing tables (README's 'Sizing an 8B and a 70B target', docs/sizing.md) are the planner's
-own output for configs/sizing-8b.yaml and configs/sizing-70b.yaml: each config is planned with
-the real `snakemake -n`, the figures are read from what it prints, and every table row built
-from them must be a line of the page. A hand-edited figure, or a planner or config change that
-moves one, fails here with the rows the page should have."""
+own output for the worked configs configs/sizing-8b.yaml and configs/sizing-70b.yaml:
+`make docs` writes them (scripts/make_docs.py: sizing_plans) and tests/test_docs.py fails while a
+committed page is stale. Here: the real `snakemake -n --configfile <config>` prints the figures
+those tables hold, and the GPU-hours follow the target's size."""
 from __future__ import annotations
 
-import re
+import copy
 import subprocess
 from pathlib import Path
 
@@ -13,125 +13,59 @@ import pytest
 import yaml
 
 from conftest import PY, REPO
+from make_docs import SIZING_CONFIGS, sizing_plans
 
 CONFIGS = {"8B": REPO / "configs/sizing-8b.yaml", "70B": REPO / "configs/sizing-70b.yaml"}
-STAGES = ("traces", "hidden_states", "train", "verify")
+
+
+def snakemake(config: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "snakemake", *args, "--cores", "1", "-d", str(workdir), "--configfile",
+                           str(config)], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def printed_plan(config: Path, workdir: Path) -> str:
     """The plan `snakemake -n --configfile <config>` prints (stderr), in a scratch directory."""
-    proc = subprocess.run([PY, "-m", "snakemake", "-n", "--cores", "1", "-d", str(workdir), "--configfile",
-                           str(config)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = snakemake(config, workdir, "-n")
     assert "Plan for run" in proc.stderr, proc.stderr[-3000:]
     return proc.stderr
 
 
-def one(pattern: str, text: str) -> re.Match:
-    m = re.search(pattern, text, re.MULTILINE)
-    assert m, f"the plan no longer prints {pattern!r}:\n{text[:4000]}"
-    return m
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_dry_run_prints_the_plan_the_tables_are_made_from(name, tmp_path):
+    from pipeline_lib.plan import format_plan
+
+    assert SIZING_CONFIGS == CONFIGS
+    printed = printed_plan(CONFIGS[name], tmp_path).splitlines()
+    # Every line but the dtype lines (make_docs passes no CPU verdict) and the plan's free disk.
+    expected = [line for line in format_plan(sizing_plans()[name]).splitlines() if "dtype" not in line]
+    missing = [line for line in expected if line not in printed]
+    assert not missing, f"snakemake -n --configfile {CONFIGS[name]} no longer prints:\n" + "\n".join(missing)
 
 
-def figures(text: str) -> dict[str, str]:
-    """The printed figures the tables quote, as printed."""
-    f = {}
-    m = one(r"traces: (\d+) prompts, <= ([\d,]+) generated tokens", text)
-    f["prompts"], f["generated"] = f"{int(m[1]):,}", m[2]
-    f["train_tokens"] = one(r"hidden states: <= ([\d,]+) tokens x", text)[1]
-    m = one(r"hidden states by storage: bf16 (\S+ \S+) \((\S+ \S+)/token\), fp8 (\S+ \S+) \((\S+ \S+)/token\)", text)
-    f["bf16"], f["bf16_token"], f["fp8"], f["fp8_token"] = m[1], m[2], m[3], m[4]
-    for name in ("offline bf16", "offline fp8", "online"):
-        m = one(rf"^\s+{name}\s+(\S+ \S+) /\s+([\d.]+) GPU-h", text)
-        f[f"disk {name}"], f[f"gpu_h {name}"] = m[1], m[2]
-    m = one(r"draft 'default': ([\d,]+) params, checkpoints (\S+ \S+), (\d+) epochs", text)
-    f["draft_params"], f["checkpoints"], f["epochs"] = m[1], m[2], m[3]
-    m = one(r"GPU-hours: traces ([\d.]+), hidden states ([\d.]+), training ([\d.]+)", text)
-    f["gpu_h traces"], f["gpu_h hidden_states"], f["gpu_h train"] = m[1], m[2], m[3]
-    for stage in STAGES:
-        f[f"mem {stage}"] = one(rf"^\s+{stage}\s+(\S+ \S+)  \(", text)[1]
-    return f
+def test_gpu_hours_follow_the_target_size():
+    """Same data for both targets, so the same token counts; the target's forward stages cost
+    2 x parameters FLOPs a token at 40 % of 989 TFLOP/s, so the 70B's traces and hidden states
+    take 70.55 / 8.19 times the 8B's GPU-hours; a measured throughput replaces the estimate."""
+    from snakemake.utils import validate
 
+    from pipeline_lib.plan import make_plan
 
-def gpus(config: Path) -> dict[str, int]:
-    res = yaml.safe_load(config.read_text())["resources"]
-    return {stage: res[stage]["gpu"] for stage in STAGES}
+    plans = sizing_plans()
+    a, b = plans["8B"], plans["70B"]
+    assert a["train_tokens_max"] == b["train_tokens_max"] == 50_000 * min(256 + 2048, 4096)
+    for plan, params in ((a, 8_190_735_360), (b, 70_553_706_496)):
+        seconds = plan["trace_completion_tokens_max"] * 2 * params / (0.4 * 989e12)
+        assert plan["gpu_hours"]["traces"] == pytest.approx(seconds / 3600, abs=1e-3)
+        assert plan["gpu_hours"]["verify"] > 0 and plan["gpu_hours"]["forecast"] > 0  # both on in the configs
+    assert b["gpu_hours"]["hidden_states"] / a["gpu_hours"]["hidden_states"] == pytest.approx(70.55 / 8.19, rel=1e-2)
+    assert b["hidden_state_options"]["offline bf16"]["gpu_hours_total"] > 4 * a["hidden_state_options"]["offline bf16"]["gpu_hours_total"]
 
-
-def per_job(n: int) -> str:
-    return f"{n} GPU a job" if n == 1 else f"{n} GPUs a job"
-
-
-def readme_rows(f: dict[str, dict[str, str]], g: dict[str, dict[str, int]]) -> list[str]:
-    a, b = f["8B"], f["70B"]
-    ga, gb = g["8B"], g["70B"]
-    return [
-        f"| traces: GPU memory per GPU; GPU-hours | {a['mem traces']} ({per_job(ga['traces'])}); {a['gpu_h traces']} "
-        f"| {b['mem traces']} ({per_job(gb['traces'])}); {b['gpu_h traces']} |",
-        f"| hidden states: disk in bf16 / fp8 | {a['bf16']} / {a['fp8']} | {b['bf16']} / {b['fp8']} |",
-        f"| hidden states: GPU memory per GPU; GPU-hours | {a['mem hidden_states']} ({per_job(ga['hidden_states'])}); "
-        f"{a['gpu_h hidden_states']} | {b['mem hidden_states']} ({per_job(gb['hidden_states'])}); "
-        f"{b['gpu_h hidden_states']} |",
-        f"| training: GPU memory per GPU; GPU-hours | {a['mem train']} ({ga['train']} GPUs); {a['gpu_h train']} "
-        f"| {b['mem train']} ({gb['train']} GPUs); {b['gpu_h train']} |",
-        f"| verification: GPU memory on its one GPU | {a['mem verify']} | {b['mem verify']} |",
-    ]
-
-
-def sizing_rows(f: dict[str, dict[str, str]], g: dict[str, dict[str, int]]) -> list[str]:
-    a, b = f["8B"], f["70B"]
-    ga, gb = g["8B"], g["70B"]
-
-    def row(label: str, key: str) -> str:
-        return f"| {label} | {a[key]} | {b[key]} |"
-
-    return [
-        f"| training conversations; generated tokens (at most) | {a['prompts']}; {a['generated']} "
-        f"| {b['prompts']}; {b['generated']} |",
-        row("training tokens (at most)", "train_tokens"),
-        f"| hidden states per token, bf16 / fp8 | {a['bf16_token']} / {a['fp8_token']} "
-        f"| {b['bf16_token']} / {b['fp8_token']} |",
-        f"| hidden states on disk, bf16 / fp8 | {a['bf16']} / {a['fp8']} | {b['bf16']} / {b['fp8']} |",
-        f"| disk to plan for (2x the hidden states + checkpoints): offline bf16 / offline fp8 / online "
-        f"| {a['disk offline bf16']} / {a['disk offline fp8']} / {a['disk online']} "
-        f"| {b['disk offline bf16']} / {b['disk offline fp8']} / {b['disk online']} |",
-        f"| draft parameters; checkpoints | {a['draft_params']}; {a['checkpoints']} "
-        f"| {b['draft_params']}; {b['checkpoints']} |",
-        *(f"| GPU memory per GPU: {label} | {a['mem ' + stage]} ({per_job(ga[stage])}) "
-          f"| {b['mem ' + stage]} ({per_job(gb[stage])}) |"
-          for stage, label in (("traces", "traces"), ("hidden_states", "hidden states"), ("train", "training"))),
-        row("GPU memory: verification, on one GPU", "mem verify"),
-        f"| GPU-hours: traces / hidden states / training ({a['epochs']} epochs) "
-        f"| {a['gpu_h traces']} / {a['gpu_h hidden_states']} / {a['gpu_h train']} "
-        f"| {b['gpu_h traces']} / {b['gpu_h hidden_states']} / {b['gpu_h train']} |",
-        f"| GPU-hours in all: offline (bf16 or fp8) / online | {a['gpu_h offline bf16']} / {a['gpu_h online']} "
-        f"| {b['gpu_h offline bf16']} / {b['gpu_h online']} |",
-    ]
-
-
-@pytest.fixture(scope="module")
-def planned(tmp_path_factory) -> tuple[dict, dict]:
-    f = {name: figures(printed_plan(path, tmp_path_factory.mktemp(f"plan-{name}"))) for name, path in CONFIGS.items()}
-    return f, {name: gpus(path) for name, path in CONFIGS.items()}
-
-
-@pytest.mark.parametrize("page, rows", [("README.md", readme_rows), ("docs/sizing.md", sizing_rows)])
-def test_sizing_tables_are_the_planners_output(planned, page, rows):
-    lines = set((REPO / page).read_text().splitlines())
-    expected = rows(*planned)
-    missing = [r for r in expected if r not in lines]
-    assert not missing, (f"{page}: these rows of the sizing table differ from what the planner prints for "
-                         f"configs/sizing-*.yaml (rows as they should read):\n" + "\n".join(missing))
-
-
-def test_the_sizing_configs_plan_what_their_tables_say(planned):
-    """The figures follow the configs' own settings: the same data for both targets, so the
-    same token counts; the 70B target's hidden states twice the 8B's per token (hidden size
-    8192 vs 4096); fp8 about half of bf16."""
-    f, _ = planned
-    assert f["8B"]["train_tokens"] == f["70B"]["train_tokens"] == "115,200,000"  # 50,000 x min(256 + 2,048, 4,096)
-    assert f["8B"]["bf16_token"] == "32.8 KB" and f["70B"]["bf16_token"] == "65.5 KB"  # 4 layers x H x 2 bytes
-    assert f["8B"]["fp8_token"] == "16.4 KB" and f["70B"]["fp8_token"] == "32.8 KB"
+    cfg = yaml.safe_load(CONFIGS["8B"].read_text())
+    cfg["plan"]["throughput"] = {"generation_tokens_per_s": 2000.0}
+    validate(cfg, str(REPO / "schemas/config.schema.yaml"))
+    plan = make_plan(cfg, REPO / "results" / "no-such-run")
+    assert plan["gpu_hours"]["traces"] == pytest.approx(102_400_000 / 2000 / 3600, abs=1e-3)
+    assert plan["gpu_hours"]["hidden_states"] == a["gpu_hours"]["hidden_states"]  # still from the size
 
 
 def test_gpu_memory_follows_the_code_paths():
@@ -145,7 +79,7 @@ def test_gpu_memory_follows_the_code_paths():
 
     cfg = yaml.safe_load(CONFIGS["8B"].read_text())
     validate(cfg, str(REPO / "schemas/config.schema.yaml"))
-    params, hidden, vocab = 8_030_261_248, 4096, 128_256
+    params, hidden, vocab = 8_190_735_360, 4096, 151_936
     plan = make_plan(cfg, REPO / "results" / "no-such-run")
     mem = {stage: m["bytes_per_gpu"] for stage, m in plan["gpu_memory"].items()}
     draft = plan["variants"]["default"]["draft_parameters"]
@@ -166,9 +100,80 @@ def test_gpu_memory_follows_the_code_paths():
     cfg["hidden_states"].update(mode="online", backend="vllm")
     plan = make_plan(cfg, REPO / "results" / "no-such-run")
     assert "hidden_states" not in plan["gpu_memory"]  # no extraction job online
-    assert plan["gpu_memory"]["train"]["bytes_per_gpu"] == max(mem["train"], params * 2 // 2)  # server on 2 GPUs
+    assert plan["gpu_memory"]["train"]["bytes_per_gpu"] == max(mem["train"], params * 2)  # server on 1 GPU
 
     del cfg["plan"]["target_shape"]["num_parameters"]
     plan = make_plan(cfg, REPO / "results" / "no-such-run")
     assert plan["gpu_memory"]["traces"]["bytes_per_gpu"] is None
     assert "set plan.target_shape.num_parameters" in format_plan(plan)
+
+
+# --------------------------------------------------------------------------- what cannot fit
+def refused(cfg: dict) -> list[str]:
+    from snakemake.utils import validate
+
+    from pipeline_lib.plan import make_plan, refusals
+
+    validate(cfg, str(REPO / "schemas/config.schema.yaml"))
+    return refusals(cfg, make_plan(cfg, REPO / "results" / "no-such-run"))
+
+
+def test_the_plan_refuses_a_70b_target_verification_cannot_hold(tmp_path):
+    """The 70B worked config: its 141 GB bf16 target, twice, plus the draft, on the one GPU the
+    verify stage uses (no tensor parallel yet), whatever resources.verify.gpu says. Snakemake
+    stops before any job, with the message and no traceback; the dry run still prints the plan."""
+    (message,) = refused(yaml.safe_load(CONFIGS["70B"].read_text()))
+    assert message.startswith("verify: 287.6 GB on one GPU") and "70,553,706,496 parameters" in message
+    assert "exceeds the 80 GB of a GPU (plan.gpu_memory_gb) with resources.verify.gpu = 8" in message
+    proc = snakemake(CONFIGS["70B"], tmp_path)
+    assert proc.returncode == 1 and "ERROR: the plan refuses this config" in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr and 'File "' not in proc.stderr
+    assert not (tmp_path / "results").exists()  # no job ran
+
+
+def test_the_plan_refuses_weights_a_stage_gpus_cannot_hold():
+    """The 70B target (141 GB in bf16) on one 80 GB GPU for its traces: refused, naming the
+    stage, the settings and the numbers; on 2 GPUs (70.6 GB each) it fits; on H200s (141 GB,
+    plan.gpu_memory_gb) one holds 141.1 GB no more than 80 GB does."""
+    cfg = yaml.safe_load(CONFIGS["70B"].read_text())
+    cfg["resources"]["verify"]["gpu"] = 0  # leave verification (the test above) out
+    cfg["resources"]["traces"]["gpu"] = 1
+    (message,) = refused(copy.deepcopy(cfg))
+    assert message.startswith("traces: 141.1 GB on one GPU (target bfloat16, tensor parallel over 1 GPU(s)")
+    assert "exceeds the 80 GB of a GPU (plan.gpu_memory_gb) with resources.traces.gpu = 1" in message
+    cfg["resources"]["traces"]["gpu"] = 2
+    assert refused(copy.deepcopy(cfg)) == []
+    cfg["resources"]["traces"]["gpu"] = 1
+    cfg["plan"]["gpu_memory_gb"] = 141
+    assert [m.split(":")[0] for m in refused(copy.deepcopy(cfg))] == ["traces"]  # 141.1 GB > 141 GB
+    cfg["plan"]["gpu_memory_gb"] = 142
+    assert refused(cfg) == []
+
+
+def test_the_plan_refuses_a_job_larger_than_a_node():
+    """A job's GPUs beyond plan.gpus_per_node: refused for a one-node stage; training may span
+    resources.train.nodes, so 16 GPUs on 2 nodes of 8 fit and on one do not."""
+    cfg = yaml.safe_load(CONFIGS["8B"].read_text())
+    cfg["plan"]["gpus_per_node"] = 8
+    cfg["resources"]["hidden_states"]["gpu"] = 16
+    cfg["resources"]["train"]["gpu"] = 16
+    assert refused(copy.deepcopy(cfg)) == [
+        "hidden_states: resources.hidden_states.gpu = 16 needs 16 GPUs on one node, but a node has 8 "
+        "(plan.gpus_per_node): give the stage at most 8 GPUs",
+        "train: resources.train.gpu = 16 needs 16 GPUs on one node, but a node has 8 (plan.gpus_per_node): "
+        "give the stage at most 8 or raise resources.train.nodes"]
+    cfg["resources"]["hidden_states"]["gpu"] = 8
+    cfg["resources"]["train"]["nodes"] = 2
+    assert refused(cfg) == []
+
+
+def test_the_parameter_count_comes_from_a_local_targets_safetensors(tiny_target):
+    """Without plan.target_shape.num_parameters, a local target's count is read from its
+    safetensors headers (no weights loaded): what the materialized manifest would record."""
+    from safetensors.torch import load_file
+
+    from pipeline_lib.plan import target_shape
+
+    shape = target_shape({"target": {"source": "local", "path": str(tiny_target)}}, REPO / "results" / "no-such-run")
+    weights = load_file(tiny_target / "model.safetensors")
+    assert shape["num_parameters"] == sum(t.numel() for t in weights.values()) > 0

@@ -468,3 +468,28 @@ def test_the_pipeline_polled_sacct_and_accounting_has_every_job(runs):
     assert len(names) == 2, names  # one per run: the plugin's sacct query tells the runs apart
     # The squeue path (no slurmdbd) stays covered: the throwaway workflow's checks used squeue.
     assert set(STATUS_CYCLE.findall(runs.gpu.check())) == {"squeue"}
+
+
+def gpu_rules() -> set[str]:
+    """The rules that declare a `gpu` resource (rules/*.smk: gpu=res(<stage>, "gpu")), as
+    Snakemake itself parses the workflow: every rule a config can give GPUs."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
+
+    with SnakemakeApi(OutputSettings()) as api:
+        workflow = api.workflow(resource_settings=ResourceSettings(), storage_settings=StorageSettings(),
+                                config_settings=ConfigSettings(configfiles=[REPO / "config.yaml"]),
+                                snakefile=REPO / "Snakefile", workdir=REPO)
+        return {rule.name for rule in workflow._workflow.rules if "gpu" in rule.resources}
+
+
+def test_the_cluster_profile_routes_every_gpu_rule():
+    """Without SLURM: every rule that can get GPUs has a set-resources entry in profiles/slurm
+    with a partition, so no GPU job falls to the default (CPU) partition."""
+    import yaml
+
+    entries = yaml.safe_load((REPO / "profiles/slurm/config.yaml").read_text())["set-resources"]
+    rules = gpu_rules()
+    assert GPU_RULES | {"train_draft"} <= rules  # the parse found the rules it must
+    missing = sorted(r for r in rules if "slurm_partition" not in (entries.get(r) or {}))
+    assert not missing, f"profiles/slurm/config.yaml set-resources has no partition for the GPU rule(s) {missing}"

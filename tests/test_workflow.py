@@ -212,7 +212,9 @@ def kimi_config(tiny_target: Path, **hs) -> dict:
                                  "storage": "bf16", "server_gpus": 2, **hs})
     cfg["train"].update(draft_vocab_size=32000, keep_last=2, epochs=10, num_workers=4)
     cfg["resources"] = {"train": {"gpu": 8}}
-    cfg["plan"] = {"target_shape": KIMI_SHAPE, "avg_prompt_tokens": 256, "disk_free_bytes": 10 * 10**12}
+    # Measured throughputs (plan.throughput) replace the estimates from the model's size.
+    cfg["plan"] = {"target_shape": KIMI_SHAPE, "avg_prompt_tokens": 256, "disk_free_bytes": 10 * 10**12,
+                   "throughput": {"extraction_tokens_per_s": 40000.0, "train_tokens_per_s": 60000.0}}
     return with_defaults(cfg)
 
 
@@ -309,13 +311,20 @@ def test_resources_default_fills_what_a_stage_leaves_out(tmp_path, test_config):
     set; the schema's defaults apply only where neither does. The dry-run plan shows what each
     rule's jobs get."""
     cfg = test_config
-    cfg["resources"] = {"default": {"threads": 1, "mem_mb": 1234, "runtime": 7},
+    cfg["resources"] = {"default": {"threads": 1, "mem_mb": 1234, "runtime": 7, "cpus_per_gpu": 4},
                         "traces": {"mem_mb": 999}, "train": {"threads": 3}}
     proc = run_snakemake(tmp_path, cfg, "-n", "--quiet", "rules")
     err = proc.stderr
     assert re.search(r"traces_shard\s+x2\s+1 / 999 / 7 / 0", err), err[-3000:]
     assert re.search(r"hidden_states_shard\s+x2\s+1 / 1234 / 7 / 0", err), err[-3000:]
     assert re.search(r"train_draft\s+x1\s+3 / 1234 / 7 / 0", err), err[-3000:]
+    # Threads follow the GPUs (cpus_per_gpu) where the stage names none; Snakemake's own jobs
+    # (what the SLURM plugin submits as --cpus-per-task) get them.
+    cfg["resources"]["traces"]["gpu"] = 2
+    cfg["resources"]["train"]["gpu"] = 2
+    out = run_snakemake(tmp_path, cfg, "-n", "--cores", "16").stdout  # locally threads are capped at --cores
+    threads = {rule: set(re.findall(r"threads: (\d+)", job)) for rule, job in re.findall(r"rule (\w+):\n(.*?)\n\n", out, re.S)}
+    assert threads["traces_shard"] == {"8"} and threads["train_draft"] == {"3"}, out[-3000:]
 
 
 # The demo overlays the README and docs name: the variants each plans, sharing one instance of

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import PipelineError
+from .resources import stage_gpus
 
 PINNED_VLLM = "0.32.0"
 PINNED_SPECULATORS = "0.9.0"
@@ -156,9 +157,7 @@ def refuse_unservable(name: str, accelerator: str = "cpu", setting: str = "train
 def verify_accelerator(config: dict) -> str:
     """Where the verify stage (load check, acceptance) runs: resources.verify.gpu, else the
     default's; GPUs > 0 means CUDA."""
-    resources = config.get("resources") or {}
-    gpus = {**(resources.get("default") or {}), **(resources.get("verify") or {})}.get("gpu", 0)
-    return "cuda" if gpus else "cpu"
+    return "cuda" if stage_gpus(config, "verify") else "cpu"
 
 
 def check_variant(cfg: dict, variant: str, accelerator: str) -> DraftType:

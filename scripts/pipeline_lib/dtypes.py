@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PipelineError
+from .resources import stage_gpus
 
 AUTO = "auto"
 CPU_ENV = "PIPELINE_CPU_BF16"            # native | emulated: the planning process's verdict
@@ -126,17 +127,12 @@ def cpu() -> dict[str, Any]:
     return dict(_cached_cpu(os.environ.get(CPU_ENV)))
 
 
-def _stage_gpus(cfg: dict, stage: str) -> int:
-    res = cfg.get("resources") or {}
-    return int({**(res.get("default") or {}), **(res.get(stage) or {})}.get("gpu") or 0)
-
-
 def device(cfg: dict, section: str) -> str:
     """Where the stage whose dtype `section` sets runs: "gpu" or "cpu"."""
     if section == "hidden_states" and (cfg.get("hidden_states") or {}).get("mode") == "online":
         # Online: the vLLM server in the training job, on hidden_states.server_gpus of its GPUs.
         return "gpu" if int(cfg["hidden_states"].get("server_gpus") or 0) > 0 else "cpu"
-    return "gpu" if _stage_gpus(cfg, SETTINGS[section]["stage"]) > 0 else "cpu"
+    return "gpu" if stage_gpus(cfg, SETTINGS[section]["stage"]) > 0 else "cpu"
 
 
 def resolve_one(cfg: dict, section: str, cpu_verdict: dict[str, Any]) -> dict[str, Any]:

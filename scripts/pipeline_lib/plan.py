@@ -13,21 +13,41 @@ and GPU-hours, and says which fits when the configured one does not:
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .acceptance.job import BASELINE_KEYS
 from .hidden_states.formats import FORMATS
 from . import dtypes
+from .errors import PipelineError
 from .io import human_bytes
+from .resources import stage_gpus, stage_resources
 from .stages import STAGES, plan_instances, trains_online, variant_config
 
-# Throughputs used when the config gives none: per GPU, measured on one H200 (see README).
+# Throughputs used where the config gives none and the target's parameter count is unknown:
+# per GPU, measured on one H200 with the demo's small targets (see README).
 DEFAULT_THROUGHPUT = {
     "generation_tokens_per_s": 2000.0,
     "extraction_tokens_per_s": 40000.0,
     "train_tokens_per_s": 60000.0,
 }
+# With the parameter count known, tokens/s per GPU follow the model's size: a forward pass costs
+# about 2 x parameters FLOPs a token (the target: traces, hidden states, synthesis, verification);
+# training the draft 6 x its parameters (forward 2 + backward 4; less the embedding copy, a
+# lookup) a token per TTT step; at plan.utilization of plan.gpu_peak_tflops.
+FORWARD_FLOPS_PER_PARAM = 2
+TRAIN_FLOPS_PER_PARAM = 6
+# Eval prompts counted where no num_samples caps a set (MT-Bench has 80).
+EVAL_PROMPTS_UNCAPPED = 80
+# A vLLM engine's start (weights loaded, CUDA graphs captured), held on its job's GPUs: the
+# verify stage and the forecast start several, and decode little.
+ENGINE_START_S = 300
+# Engines the verify stage starts per draft: the load check, the trained and the untrained
+# draft's acceptance, the speedup rounds' two (without and with the draft); plus one baseline.
+VERIFY_ENGINES_PER_DRAFT = 5
 GPU_STAGES = {"traces": "traces_shard", "hidden_states": "hidden_states_shard", "train": "train_draft",
               "verify": "acceptance"}
 
@@ -50,7 +70,24 @@ def target_shape(config: dict[str, Any], results_dir: Path) -> dict[str, Any]:
         for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_parameters"):
             if shape.get(key) is None and src.get(key) is not None:
                 shape[key] = src[key]
+    if shape.get("num_parameters") is None and tgt.get("source") == "local" and tgt.get("path"):
+        shape["num_parameters"] = safetensors_parameters(Path(tgt["path"]))
     return shape
+
+
+def safetensors_parameters(model_dir: Path) -> int | None:
+    """The parameter count of a model directory's safetensors files, from their headers (no
+    weights read); None without any."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(path, framework="numpy") as weights:
+            total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return total
 
 
 def draft_parameters(hidden: int, vocab: int, draft_vocab: int, layers: int, intermediate: int | None) -> int:
@@ -91,11 +128,7 @@ def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str
     params = shape.get("num_parameters")
     hidden = shape.get("hidden_size")
     vocab = shape.get("vocab_size")
-    res = config.get("resources", {})
-
-    def gpus(stage):
-        return int({**(res.get("default") or {}), **(res.get(stage) or {})}.get("gpu") or 0)
-
+    gpus = partial(stage_gpus, config)
     out: dict[str, dict] = {}
     gen, hs, ver = config["generation"], config["hidden_states"], config["verify"]
     # Traces compute in generation.dtype (resolved; unset: the target's stored dtype).
@@ -150,6 +183,96 @@ def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str
     return out
 
 
+def flops_per_s(plan_cfg: dict[str, Any]) -> float:
+    """What one GPU computes at the planned utilization (plan.utilization x plan.gpu_peak_tflops)."""
+    return plan_cfg.get("utilization", 0.4) * plan_cfg.get("gpu_peak_tflops", 989.0) * 1e12
+
+
+def assumed_throughput(plan_cfg: dict[str, Any], target_params: int | None) -> tuple[dict[str, float], str]:
+    """Tokens/s per GPU of the target's forward stages, and how they were made: the config's
+    measured figures (plan.throughput) first, else from the target's size, else the fixed defaults."""
+    given = plan_cfg.get("throughput") or {}
+    if target_params:
+        forward = flops_per_s(plan_cfg) / (FORWARD_FLOPS_PER_PARAM * target_params)
+        base = {"generation_tokens_per_s": forward, "extraction_tokens_per_s": forward}
+        how = (f"{FORWARD_FLOPS_PER_PARAM} x {target_params:,} parameters FLOPs a token at "
+               f"{plan_cfg.get('utilization', 0.4):.0%} of {plan_cfg.get('gpu_peak_tflops', 989.0):g} TFLOP/s")
+    else:
+        base, how = dict(DEFAULT_THROUGHPUT), "fixed defaults: the target's parameter count is unknown"
+    if given:
+        how += "; measured: " + ", ".join(sorted(given))
+    return {**base, **given}, how
+
+
+def train_throughput(plan_cfg: dict[str, Any], draft_params: int | None, embedding: int, ttt_steps: int) -> float:
+    """Training tokens/s per GPU: the measured figure, else the draft's FLOPs a token (every TTT
+    step) at the planned utilization, else the fixed default."""
+    given = (plan_cfg.get("throughput") or {}).get("train_tokens_per_s")
+    if given or not draft_params:
+        return given or DEFAULT_THROUGHPUT["train_tokens_per_s"]
+    return flops_per_s(plan_cfg) / (TRAIN_FLOPS_PER_PARAM * (draft_params - embedding) * ttt_steps)
+
+
+def verify_decoded_tokens(config: dict[str, Any], variants: int) -> int:
+    """Tokens the verify stage decodes, at most (every answer max_tokens long): the baseline once
+    (eval prompts and each suite), and per draft its acceptance on the same prompts, the untrained
+    draft's and the speedup rounds (without and with the draft)."""
+    v = config["verify"]
+    prompts = v["num_prompts"] or config["prompts"]["eval"].get("num_samples") or EVAL_PROMPTS_UNCAPPED
+    suites = sum(s.get("num_samples") or EVAL_PROMPTS_UNCAPPED for s in v.get("suites") or [])
+    untrained = v.get("untrained_prompts") or prompts
+    rounds = v.get("speedup_rounds", 0) * 2 * (v.get("concurrency_one_prompts", 0) + v.get("speedup_batch_prompts", 0))
+    per_draft = prompts + suites + untrained + rounds
+    return v["max_tokens"] * (prompts + suites + variants * per_draft)
+
+
+def forecast_gpu_hours(config: dict[str, Any]) -> float:
+    """The forecast holds its GPUs for one server per tau plus the baseline, each measured for
+    `seconds` at every concurrency, after its start (ENGINE_START_S)."""
+    f = config.get("forecast") or {}
+    if not f.get("enabled"):
+        return 0.0
+    servers = len(f.get("tau") or []) + 1
+    per_server = len(f.get("concurrency") or []) * f.get("seconds", 12) + ENGINE_START_S
+    return max(1, stage_gpus(config, "forecast")) * servers * per_server / 3600
+
+
+# The stages whose jobs each run on one node (training may span plan nodes: resources.train.nodes).
+SINGLE_NODE_STAGES = ("synthesize", "traces", "hidden_states", "verify", "forecast")
+
+
+def refusals(config: dict[str, Any], plan: dict[str, Any]) -> list[str]:
+    """What cannot fit, before any job runs: a stage whose job asks for more GPUs than a node
+    has (plan.gpus_per_node), or whose GPUs cannot hold what the code puts on each of them
+    (plan.gpu_memory_gb; weights and training state only, so the KV cache still needs room)."""
+    plan_cfg = config.get("plan") or {}
+    per_node, memory_gb = plan_cfg.get("gpus_per_node", 8), plan_cfg.get("gpu_memory_gb", 80)
+    found = []
+    for stage in SINGLE_NODE_STAGES + ("train",):
+        res = stage_resources(config, stage)
+        gpus, nodes = int(res.get("gpu") or 0), int(res.get("nodes") or 1) if stage == "train" else 1
+        if -(-gpus // nodes) > per_node:
+            where = f" over resources.train.nodes = {nodes}" if nodes > 1 else ""
+            found.append(f"{stage}: resources.{stage}.gpu = {gpus}{where} needs {-(-gpus // nodes)} GPUs on one node, "
+                         f"but a node has {per_node} (plan.gpus_per_node): give the stage at most {per_node * nodes} "
+                         + ("or raise resources.train.nodes" if stage == "train" else "GPUs"))
+    for stage, need in plan["gpu_memory"].items():
+        if need["gpus"] and need["bytes_per_gpu"] and need["bytes_per_gpu"] > memory_gb * 1e9:
+            found.append(f"{stage}: {human_bytes(need['bytes_per_gpu'])} on one GPU ({need['how']}; target "
+                         f"{plan['target_shape'].get('num_parameters'):,} parameters) exceeds the {memory_gb} GB of a GPU "
+                         f"(plan.gpu_memory_gb) with resources.{stage}.gpu = {need['gpus']}"
+                         + (": verification does not use tensor parallel yet, no GPU count fits it" if stage == "verify"
+                            else f": give the stage more GPUs (at most {per_node}, plan.gpus_per_node)"))
+    return found
+
+
+def check_fits(config: dict[str, Any], plan: dict[str, Any]) -> None:
+    found = refusals(config, plan)
+    if found:
+        raise PipelineError("the plan refuses this config, it cannot fit the GPUs (no job has run):\n  - "
+                            + "\n  - ".join(found))
+
+
 def synthesized_entries(prompts: dict[str, Any]) -> list[dict[str, Any]]:
     """The prompts.train entries that read the synthesize stage's requests."""
     train = prompts["train"]
@@ -182,7 +305,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
     hidden = shape.get("hidden_size")
     vocab = shape.get("vocab_size")
     gen, tok, hs = config["generation"], config["tokenize"], config["hidden_states"]
-    throughput = {**DEFAULT_THROUGHPUT, **(plan_cfg.get("throughput") or {})}
+    throughput, throughput_basis = assumed_throughput(plan_cfg, shape.get("num_parameters"))
 
     synth = config.get("synthesize") or {}
     synthesizes = bool(synthesized_entries(config["prompts"]))
@@ -222,7 +345,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
 
     variants = {}
     ckpt_total = 0
-    train_res = {**(config.get("resources", {}).get("default") or {}), **(config.get("resources", {}).get("train") or {})}
+    train_res = stage_resources(config, "train")
     _, instances = plan_instances(config)
     for name in sorted(config["variants"]):
         cfg = variant_config(config, name)
@@ -233,19 +356,17 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         ckpt = params * 2 * t["keep_last"] + params * 8 if params else None
         # A data-scaling size trains on its share of the conversations (train.max_conversations).
         share = min(1.0, t["max_conversations"] / n_prompts) if t.get("max_conversations") and n_prompts else 1.0
-        gpu_h = train_tokens * share * t["epochs"] / throughput["train_tokens_per_s"] / 3600
-        online_h = online_train_gpu_hours(round(train_tokens * share), t, cfg["hidden_states"], train_res, throughput)
+        rate = train_throughput(plan_cfg, params, (hidden or 0) * (vocab or t["draft_vocab_size"]), t["ttt_steps"])
+        gpu_h = train_tokens * share * t["epochs"] / rate / 3600
+        online_h = online_train_gpu_hours(round(train_tokens * share), t, cfg["hidden_states"], train_res,
+                                          {**throughput, "train_tokens_per_s": rate})
         variants[name] = {"draft_parameters": params, "checkpoint_bytes": ckpt, "epochs": t["epochs"],
+                          "train_tokens_per_s": round(rate, 1),
                           "hidden_states_mode": cfg["hidden_states"]["mode"],
                           "offline_train_gpu_hours": round(gpu_h, 3), "online_train_gpu_hours": round(online_h, 3),
                           # what this variant's own mode costs
                           "train_gpu_hours": round(online_h if trains_online(cfg) else gpu_h, 3)}
         ckpt_total += ckpt or 0
-
-    res = config.get("resources", {})
-
-    def stage_res(stage):
-        return {**(res.get("default") or {}), **(res.get(stage) or {})}
 
     # Variants that change upstream settings add stage instances (pipeline_lib/stages.py).
     per_stage = {stage: [i for i in instances.values() if i.stage == stage] for stage in STAGES}
@@ -256,8 +377,13 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "hidden_states_shard": sum(i.settings["num_shards"] for i in per_stage["hidden_states"]),
         "hidden_states_gather": len(per_stage["hidden_states"]),
         "train_draft": len(variants), "load_check": len(variants), "contract_checks": len(variants),
+        # one baseline per distinct set of its settings (those of the verify section)
+        "acceptance_baseline": len({json.dumps([variant_config(config, v)["verify"].get(k) for k in BASELINE_KEYS])
+                                    for v in variants}),
         "acceptance": len(variants), "report": len(variants), "compare_variants": 1,
     }
+    if config["forecast"].get("enabled"):
+        jobs["forecast"] = 1
     if synthesizes:
         jobs.update(synthesize_shard=synth["num_shards"], synthesize_gather=1)
     extra = {stage: len(found) - 1 for stage, found in per_stage.items() if len(found) > 1}
@@ -275,10 +401,16 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
     if synthesizes:
         gpu_hours["synthesize"] = round(synth["num_prompts"] * synth["max_tokens"]
                                         / throughput["generation_tokens_per_s"] / 3600, 3)
+    engines = max(1, stage_gpus(config, "verify")) * (1 + VERIFY_ENGINES_PER_DRAFT * len(variants)) * ENGINE_START_S
+    gpu_hours["verify"] = round((verify_decoded_tokens(config, len(variants)) / throughput["generation_tokens_per_s"]
+                                 + engines) / 3600, 3)
+    gpu_hours["forecast"] = round(forecast_gpu_hours(config), 3)
+    # What every hidden-state option costs besides traces, extraction and training.
+    other_h = gpu_hours.get("synthesize", 0.0) + gpu_hours["verify"] + gpu_hours["forecast"]
     free = plan_cfg.get("disk_free_bytes")
     if free is None:
         free = shutil.disk_usage(results_dir if results_dir.exists() else Path(".")).free
-    options = hidden_state_options(train_tokens, per_token, ckpt_total, gpu_hours["traces"], extraction_h,
+    options = hidden_state_options(train_tokens, per_token, ckpt_total, gpu_hours["traces"] + other_h, extraction_h,
                                    variants, free)
     chosen = option_name(mode, storage)
     estimated_bytes = options[chosen]["disk_bytes"]
@@ -286,8 +418,8 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "run_name": config["run_name"],
         "target_shape": shape,
         "jobs": jobs,
-        "resources": {stage: stage_res(stage)
-                      for stage in ("default", "synthesize", "traces", "hidden_states", "train", "verify")},
+        "resources": {stage: stage_resources(config, stage)
+                      for stage in ("default", "synthesize", "traces", "hidden_states", "train", "verify", "forecast")},
         "prompts": n_prompts,
         "trace_completion_tokens_max": completion_tokens,
         "train_tokens_max": train_tokens,
@@ -303,6 +435,7 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
         "gpu_memory": gpu_memory(config, shape, variants),
         "dtypes": dtype_resolution,
         "throughput_assumed": throughput,
+        "throughput_basis": throughput_basis,
         "free_disk_bytes": free,
         "fits_disk": estimated_bytes <= free,
         "notes": notes,
@@ -395,8 +528,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines = [f"Plan for run '{plan['run_name']}' (estimates are upper bounds; no job has run):"]
     lines.append("  jobs per rule (threads / mem_mb / runtime min / gpu):")
     stage_of = {"synthesize_shard": "synthesize", "traces_shard": "traces", "hidden_states_shard": "hidden_states",
-                "train_draft": "train",
-                "acceptance": "verify", "load_check": "verify"}
+                "train_draft": "train", "acceptance_baseline": "verify",
+                "acceptance": "verify", "load_check": "verify", "forecast": "forecast"}
     for rule, n in plan["jobs"].items():
         r = plan["resources"][stage_of.get(rule, "default")]
         lines.append(f"    {rule:<22} x{n:<5} {r.get('threads')} / {r.get('mem_mb')} / {r.get('runtime')} / {r.get('gpu')}")
@@ -427,8 +560,13 @@ def format_plan(plan: dict[str, Any]) -> str:
                      f" {v['epochs']} epochs")
     g = plan["gpu_hours"]
     synthesis = f"synthesize {g['synthesize']}, " if "synthesize" in g else ""
-    lines.append(f"  GPU-hours: {synthesis}traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}"
-                 f" (at {plan['throughput_assumed']})")
+    lines.append(f"  GPU-hours: {synthesis}traces {g['traces']}, hidden states {g['hidden_states']}, training {g['train']}, "
+                 f"verification {g['verify']}, forecast {g['forecast']}")
+    rates = ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:,.0f}" for k, v in plan["throughput_assumed"].items()
+                      if k != "train_tokens_per_s")
+    trains = ", ".join(f"'{n}' {v['train_tokens_per_s']:,.0f}" for n, v in plan["variants"].items())
+    lines.append(f"    tokens/s per GPU: {rates}; training {trains} ({plan['throughput_basis']}; "
+                 f"training: {TRAIN_FLOPS_PER_PARAM} x the draft's parameters a token per TTT step)")
     on_gpu = {stage: m for stage, m in plan["gpu_memory"].items() if m["gpus"]}
     if not on_gpu:
         lines.append("  GPU memory: none, every stage runs on CPU (resources.<stage>.gpu: 0)")
