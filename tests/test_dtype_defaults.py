@@ -184,17 +184,18 @@ def test_generation_settings_take_a_resolved_dtype_only():
         GenerationSettings.from_dict({"dtype": "auto"})
 
 
-def readme_own_target() -> dict:
-    """The README's own-target example, with a commit sha where it elides one."""
-    text = (REPO / "README.md").read_text()
-    block = text[text.index("## Running it on your own target"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+def own_target_example() -> dict:
+    """The own-target example (docs/gpus-and-clusters.md, "Your config"), with a commit sha where it
+    elides one."""
+    text = (REPO / "docs" / "gpus-and-clusters.md").read_text()
+    block = text[text.index("## Your config"):].split("```yaml\n", 1)[1].split("```", 1)[0]
     cfg = yaml.safe_load(block)
     cfg["target"]["revision"] = "0" * 40
     return cfg
 
 
-def test_readme_own_target_plan_sizes_hidden_states_and_runs_bf16(tmp_path):
-    example = readme_own_target()
+def test_own_target_example_plan_sizes_hidden_states_and_runs_bf16(tmp_path):
+    example = own_target_example()
     plan = make_plan(with_defaults(example), tmp_path)
     assert plan["hidden_state_bytes"] and plan["target_shape"]["num_parameters"]
     assert not [n for n in plan["notes"] if "unknown" in n], plan["notes"]
