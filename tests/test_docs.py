@@ -200,8 +200,8 @@ def headline_rows(text: str) -> dict[str, list[str]]:
 def test_readme_and_results_show_the_same_generated_figures():
     readme, results = (REPO / "README.md").read_text(), (REPO / "docs" / "results.md").read_text()
     for page in (readme, results):
-        for block in ("headline", "prompt-sources"):
-            assert f"<!-- BEGIN GENERATED: {block} -->" in page
+        assert "<!-- BEGIN GENERATED: headline -->" in page
+    assert "<!-- BEGIN GENERATED: prompt-sources -->" in results  # the README links it there
     # the same cells, links aside (the README links bench/results/, results.md ../bench/results/)
     assert headline_rows(readme.replace("](bench/results/", "](../bench/results/")) == headline_rows(results)
 
@@ -273,6 +273,56 @@ def test_prompt_sources_recompute_the_records_paired_figures():
     assert "| 1.378 (1.343-1.416) |" in table and "**1.378 (1.343-1.416)**" in record
     assert "**+0.026 (0.012-0.041)**" in table and "+0.026 (0.012-0.041) \\*" in record
     assert "| +0.013 (−0.007-0.037) |" in table and "+0.013 (−0.007-0.037), not beyond chance" in record
+
+
+# --------------------------------------------------------------- the README as a user reads it
+
+README_MAX_LINES = 350
+
+
+def readme_order_problems(text: str) -> list[str]:
+    """Why the README is not what a user with a GPU node reads in five minutes: longer than
+    README_MAX_LINES, or its own-target path (the GPU-node section, then the SLURM one, each with a
+    command block of ten lines or fewer) missing or not ahead of the demo and the tests."""
+    problems = []
+    lines = text.count("\n") + (0 if text.endswith("\n") else 1)
+    if lines > README_MAX_LINES:
+        problems.append(f"{lines} lines, more than {README_MAX_LINES}: move detail into docs/ and link it")
+    heads = {m.group(1): m.start() for m in re.finditer(r"^## (.+)$", text, re.M)}
+    order = [("GPU node", "## Your own target on a GPU node"), ("SLURM", "## On a SLURM cluster"),
+             ("demo and tests", "## The demo and the tests")]
+    missing = [h for _, h in order if h[3:] not in heads]
+    if missing:
+        return problems + [f"no section {h!r}" for h in missing]
+    at = [heads[h[3:]] for _, h in order]
+    if not at[0] < at[1] < at[2]:
+        problems.append("the own-target sections (GPU node, then SLURM) must come before the demo and the tests: "
+                        + ", ".join(f"{name} at character {a}" for (name, _), a in zip(order, at)))
+    for name, head in order[:2]:
+        section = text[heads[head[3:]]:].split("\n## ", 1)[0]
+        block = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M)
+        if not block:
+            problems.append(f"the {name} section has no command block")
+        elif len(block.group(1).splitlines()) > 10:
+            problems.append(f"the {name} section's command block has {len(block.group(1).splitlines())} lines, "
+                            "more than 10")
+    return problems
+
+
+def test_readme_is_short_and_puts_the_own_target_path_first():
+    assert readme_order_problems((REPO / "README.md").read_text()) == []
+
+
+def test_a_readme_with_the_demo_first_or_too_long_is_caught():
+    text = (REPO / "README.md").read_text()
+    demo = "## The demo and the tests"
+    section = demo + text.split(demo, 1)[1].split("\n## ", 1)[0] + "\n"
+    demo_first = text.replace(section, "").replace("## Your own target on a GPU node", section + "## Your own "
+                                                   "target on a GPU node", 1)
+    assert readme_order_problems(demo_first)[0].startswith("the own-target sections (GPU node, then SLURM) must")
+    long = text + "padding\n" * (README_MAX_LINES + 1 - text.count("\n"))
+    assert readme_order_problems(long) == [f"{README_MAX_LINES + 1} lines, more than {README_MAX_LINES}: "
+                                           "move detail into docs/ and link it"]
 
 
 # ---------------------------------------------------------------- the test suite's own page
