@@ -2,7 +2,8 @@
 README's current figures and the tables of docs/*.md from bench/results/) match what
 scripts/make_docs.py makes of the committed sources, so CI fails on a stale page or a hand-edited
 figure; every relative link in README.md and docs/*.md, and every `docs/<page>.md#<anchor>` the
-configs and code cite, leads to a file (and heading) that exists; docs/testing.md's table names
+configs and code cite, leads to a file (and heading) that exists; the README is at most 350 lines,
+its own-target path (GPU node, then SLURM) ahead of the demo and the tests; docs/testing.md's table names
 every test file; config.yaml sets or names every key of its sections. Cheap: no engine, no
 pipeline run."""
 from __future__ import annotations
