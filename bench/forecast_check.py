@@ -150,7 +150,7 @@ def table_md(record: dict) -> str:
         for a in FORECAST_ARMS:
             err = r[f"{a}_error"]
             mark = "" if err is None or abs(err) <= ERROR_LIMIT else " **"
-            cells.append(f"{fmt(r[a])} ({fmt(err, '{:+.0%}')}){mark}" if r[a] is not None else "-")
+            cells.append(f"{fmt(r[a])} at tau {fmt(r[f'{a}_tau'])} ({fmt(err, '{:+.0%}')}){mark}" if r[a] is not None else "-")
         lines.append(f"| {r['streams']} | {fmt(r['measured'])} at tau {fmt(r['measured_tau'])} | " + " | ".join(cells)
                      + f" | {fmt(r['measured_natural'])} |")
     acc = record["accelerator"].get("name") or "CPU"

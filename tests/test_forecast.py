@@ -304,7 +304,7 @@ def test_the_check_compares_each_forecast_arm_with_its_own_baseline_and_the_trai
     assert row["measured_natural"] == pytest.approx(0.50)
     table = forecast_check.table_md({"comparison": [row], "settings": {"max_tokens": 128}, "accelerator": {},
                                      "tau": 1.8, "rates": [0.6, 0.15, 0.05], "note": None})
-    assert "| 1 | 0.60 at tau 1.80 | 1.10 (+83%) ** | 1.05 (+75%) ** | - | - | 0.50 |" in table
+    assert "| 1 | 0.60 at tau 1.80 | 1.10 at tau 1.80 (+83%) ** | 1.05 at tau 1.80 (+75%) ** | - | - | 0.50 |" in table
 
 
 def test_pooled_acceptance_weights_points_by_drafts_and_keeps_rates_non_increasing():
