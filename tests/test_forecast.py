@@ -19,6 +19,7 @@ import forecast_speedup  # noqa: E402
 from pipeline_lib.errors import PipelineError  # noqa: E402
 from pipeline_lib.forecast import curve  # noqa: E402
 from pipeline_lib.forecast import load as load_mod  # noqa: E402
+from pipeline_lib.forecast import schedule  # noqa: E402
 from pipeline_lib.report import forecast as report_forecast  # noqa: E402
 
 RECORDS = REPO / "bench/results/forecast-h100-2026-12-06"
@@ -340,3 +341,69 @@ def test_fixed_length_prompts_ask_guidellm_for_exact_answers(tmp_path):
     assert fixed == [{"prompt": "a", "output_tokens_count": 16}, {"prompt": "b", "output_tokens_count": 16}] * 2
     natural = json.loads(load_mod.prompts_file(["a"], tmp_path / "n.json", repeat=1).read_text())
     assert natural == [{"prompt": "a"}]
+
+
+# The serving schedule (pipeline_lib/forecast/schedule.py): vLLM's num_speculative_tokens_per_batch_size.
+MEASURED = json.loads((REPO / "tests/data/speedup-curve-h200-2026-12-06.json").read_text())
+DRAFT_SPEC = {"method": "eagle3", "model": "results/run/drafts/default/final"}
+
+
+def synthetic_curves() -> dict[int, dict[int, float]]:
+    # k 3 wins at 1 and 4 in flight, k 1 at 16, neither beats the target alone at 64
+    return {1: {1: 1.30, 4: 1.20, 16: 1.10, 64: 0.90}, 3: {1: 1.80, 4: 1.25, 16: 1.00, 64: 0.70}}
+
+
+def test_schedule_takes_the_best_k_per_concurrency_and_vllm_accepts_it():
+    s = schedule.serving_schedule(synthetic_curves(), DRAFT_SPEC)
+    assert s["k_by_concurrency"] == {"1": 3, "4": 3, "16": 1, "64": 0}
+    # geometric midpoints: 1|4 -> 2, 4|16 -> 8, 16|64 -> 32; equal neighbours merged; to max_num_seqs
+    assert s["ranges"] == [[1, 8, 3], [9, 32, 1], [33, 256, 0]]
+    spec = s["speculative_config"]
+    assert spec == {**DRAFT_SPEC, "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": s["ranges"]}
+    lookup = schedule.vllm_lookup(s)  # vLLM's own validation and expansion
+    assert lookup[1] == lookup[8] == 3 and lookup[9] == lookup[32] == 1 and lookup[33] == lookup[256] == 0
+    assert schedule.ranges_text(s) == "1-8 in flight: k 3, 9-32 in flight: k 1, 33-256 in flight: no speculation"
+    # concurrencies vLLM never runs do not count; the last range ends at max_num_seqs
+    small = schedule.serving_schedule(synthetic_curves(), DRAFT_SPEC, max_num_seqs=20)
+    assert small["ranges"] == [[1, 8, 3], [9, 20, 1]]
+    assert schedule.vllm_lookup(small)[20] == 1
+
+
+def test_schedule_of_the_measured_demo_draft_is_serve_without_a_draft():
+    """The demo target with its trained draft (H200, 2026-12-06): slower at every concurrency."""
+    curves = schedule.curves_from_points(MEASURED["points"], MEASURED["k"])
+    assert max(curves[3].values()) < 1.0 and sorted(curves[3]) == [1, 4, 16, 64, 128]
+    s = schedule.serving_schedule(curves, DRAFT_SPEC)
+    assert s["k_by_concurrency"] == {"1": 0, "4": 0, "16": 0, "64": 0, "128": 0}
+    assert s["speculative_config"] is None and s["ranges"] is None
+    assert schedule.ranges_text(s) == schedule.NO_DRAFT_TEXT == "serve without a draft"
+
+
+def test_a_k_whose_curve_does_not_cover_its_tau_is_not_chosen():
+    """tau at k' = 1 + the first k' unconditional rates; a k whose measured taus do not reach it
+    is left out with the reason, and nothing measured is not "serve without a draft"."""
+    rates = MEASURED["acceptance"]["trained"]["acceptance_rate_per_position"]  # 0.54, 0.31, 0.19
+    acceptance = {"acceptance": {"trained": {"acceptance_rate_per_position": rates}}}
+    nd = curve.NO_DRAFT
+    pts = [{"arm": nd, "streams": n, "output_tok_s": 100.0, "tok_s_per_user": 100.0 / n} for n in (1, 16)]
+    for k, tau, gains in ((1, 1.0, (0.9, 0.9)), (1, 2.0, (1.5, 1.3)), (3, 1.0, (0.7, 0.7)), (3, 1.8, (1.6, 0.9))):
+        pts += [{"arm": "draft", "k": k, "tau": tau, "tau_set": tau, "streams": n, "output_tok_s": 100.0 * g,
+                 "tok_s_per_user": 100.0 * g / n} for n, g in zip((1, 16), gains)]
+    forecast = {"settings": {"num_speculative_tokens": 3, "speculative_token_counts": [1, 3]}, "points": pts}
+    by_k = curve.placements_by_k(forecast, acceptance)
+    assert by_k["1"]["1"]["tau"] == pytest.approx(1 + rates[0])
+    assert by_k["1"]["1"]["speedup"] == pytest.approx(0.9 + rates[0] * 0.6)  # between tau 1.0 and 2.0
+    assert by_k["3"]["1"]["speedup"] is None  # tau 2.03 beyond the measured 1.8
+    assert "tau 2.03 lies outside the taus measured at k 3 (1.00-1.80)" in by_k["3"]["1"]["reason"]
+    s = schedule.serving_schedule(schedule.curves_from_placements(by_k), DRAFT_SPEC)
+    assert s["k_by_concurrency"] == {"1": 1, "16": 1} and s["ranges"] == [[1, 256, 1]]
+    assert s["speculative_config"]["num_speculative_tokens"] == 1
+    # The committed demo-target forecast (H100, k 3, tau 1.0 only) cannot place the draft's tau 2.03
+    old = curve.placements_by_k(record("smollm2-135m"), acceptance)
+    assert {p["speedup"] for p in old["3"].values()} == {None}
+    none = schedule.serving_schedule(schedule.curves_from_placements(old), DRAFT_SPEC)
+    assert none["ranges"] is None and none["advice"] == schedule.NO_SCHEDULE_TEXT
+    # a k above the one the acceptance job drafted has no tau
+    deeper = curve.placements_by_k({**forecast, "settings": {"num_speculative_tokens": 3,
+                                                             "speculative_token_counts": [5]}}, acceptance)
+    assert "drafted 3 token(s): no acceptance counted at position 5" in deeper["5"]["1"]["reason"]
