@@ -407,3 +407,19 @@ def test_a_k_whose_curve_does_not_cover_its_tau_is_not_chosen():
     deeper = curve.placements_by_k({**forecast, "settings": {"num_speculative_tokens": 3,
                                                              "speculative_token_counts": [5]}}, acceptance)
     assert "drafted 3 token(s): no acceptance counted at position 5" in deeper["5"]["1"]["reason"]
+
+
+def test_the_ks_to_forecast_default_to_verifys_k_and_each_takes_the_taus_it_can_reach():
+    assert forecast_speedup.resolve({"num_speculative_tokens": 3}, on_gpu=True)["speculative_token_counts"] == [3]
+    s = forecast_speedup.resolve({"num_speculative_tokens": 3, "speculative_token_counts": [5, 1],
+                                  "tau": [1.0, 2.0, 6.0]}, on_gpu=True)
+    assert s["speculative_token_counts"] == [1, 3, 5]  # verify's k joins: its acceptance is the one counted
+    with pytest.raises(PipelineError, match=r"forecast.tau = \[7.0\].*k \+ 1 = 6 \(the largest of "
+                                            r"forecast.speculative_token_counts"):
+        forecast_speedup.resolve({"num_speculative_tokens": 3, "speculative_token_counts": [5], "tau": [7.0]}, on_gpu=True)
+    arms = forecast_speedup.draft_arms(s, {k: {"method": "eagle3", "num_speculative_tokens": k} for k in (1, 3)},
+                                       synthetic=True, load_format=None, loads=[])
+    assert [(a.tag, a.k, a.tau_set) for a in arms] == [("k1-tau-1.0", 1, 1.0), ("k1-tau-2.0", 1, 2.0),
+                                                       ("k3-tau-1.0", 3, 1.0), ("k3-tau-2.0", 3, 2.0)]
+    (one,) = forecast_speedup.draft_arms(s, {3: {"method": "eagle3"}}, synthetic=False, load_format=None, loads=[])
+    assert (one.tag, one.k, one.tau_set) == ("draft", 3, None)
