@@ -144,6 +144,7 @@ def test_enabled_forecast_joins_the_default_target_and_feeds_the_report(tmp_path
     out = dry.stdout + dry.stderr
     assert "rule forecast:" in out
     assert "--forecast results/tiny/forecast/forecast.json" in out  # the report job reads it
+    assert "--schedule results/tiny/drafts/default/report/serving_schedule.json" in out
     test_config["forecast"] = {"enabled": False}
     out = run_snakemake(tmp_path, test_config, "-n", "-p").stdout
     assert "rule forecast:" not in out and "--forecast" not in out
@@ -363,6 +364,8 @@ def test_schedule_takes_the_best_k_per_concurrency_and_vllm_accepts_it():
     lookup = schedule.vllm_lookup(s)  # vLLM's own validation and expansion
     assert lookup[1] == lookup[8] == 3 and lookup[9] == lookup[32] == 1 and lookup[33] == lookup[256] == 0
     assert schedule.ranges_text(s) == "1-8 in flight: k 3, 9-32 in flight: k 1, 33-256 in flight: no speculation"
+    with pytest.raises(ValueError, match="must start at 1"):  # vLLM's validator runs: it refuses a gap at 1
+        schedule.vllm_lookup({**s, "speculative_config": {**spec, "num_speculative_tokens_per_batch_size": [[2, 8, 3]]}})
     # concurrencies vLLM never runs do not count; the last range ends at max_num_seqs
     small = schedule.serving_schedule(synthetic_curves(), DRAFT_SPEC, max_num_seqs=20)
     assert small["ranges"] == [[1, 8, 3], [9, 20, 1]]
@@ -423,3 +426,40 @@ def test_the_ks_to_forecast_default_to_verifys_k_and_each_takes_the_taus_it_can_
                                                        ("k3-tau-1.0", 3, 1.0), ("k3-tau-2.0", 3, 2.0)]
     (one,) = forecast_speedup.draft_arms(s, {3: {"method": "eagle3"}}, synthetic=False, load_format=None, loads=[])
     assert (one.tag, one.k, one.tau_set) == ("draft", 3, None)
+
+
+def test_the_report_writes_the_schedule_and_names_it(tmp_path, monkeypatch):
+    """make_report's schedule record (serving_schedule.json) from the placement, with what it was
+    derived from, and the report section that names the ranges and how to pass them to vLLM."""
+    import argparse
+
+    import make_report
+
+    draft = tmp_path / "final"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    by_k = {"1": {"1": {"tau": 1.5, "speedup": 1.3, "reason": None}, "16": {"tau": 1.5, "speedup": 1.1, "reason": None},
+                  "64": {"tau": 1.5, "speedup": 0.9, "reason": None}},
+            "3": {"1": {"tau": 2.0, "speedup": 1.8, "reason": None}, "16": {"tau": 2.0, "speedup": 1.0, "reason": None},
+                  "64": {"tau": 2.0, "speedup": None, "reason": "tau 2.00 lies outside the taus measured at k 3"}}}
+    placed = {"by_k": by_k, "is_forecast": True, "note": None, "accelerator": "NVIDIA H100 80GB HBM3", "tau": 2.0,
+              "streams": 1, "forecast_speedup": 1.8, "measured_speedup": None, "break_even": None}
+    args = argparse.Namespace(forecast="R/forecast/forecast.json", acceptance="R/acceptance.json", draft=str(draft))
+    checked, lookup = [], schedule.vllm_lookup
+    monkeypatch.setattr(schedule, "vllm_lookup", lambda sch: checked.append(sch) or lookup(sch))
+    s = make_report.serving_schedule_record(placed, args)
+    assert [c["speculative_config"] for c in checked] == [s["speculative_config"]]  # vLLM checked what is written
+    assert s["ranges"] == [[1, 4, 3], [5, 32, 1], [33, 256, 0]] and s["checked_by"].startswith("vllm.")
+    assert s["speculative_config"]["method"] == "eagle3" and s["speculative_config"]["model"] == str(draft)
+    assert s["derived_from"]["forecast"] == "R/forecast/forecast.json" and s["derived_from"]["is_forecast"] is True
+    (section,) = [x for x in report_forecast.sections({"forecast": placed, "serving_schedule": s})
+                  if x.title.startswith("Serving schedule")]
+    text = "\n".join(section.text)
+    assert "Serving schedule (serving_schedule.json): 1-4 in flight: k 3, 5-32 in flight: k 1, " \
+           "33-256 in flight: no speculation" in text
+    assert '"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 32, 1], [33, 256, 0]]' in text
+    assert "k 3 at 64 in flight: tau 2.00 lies outside" in text
+    assert section.tables[0].rows[-1] == ["chosen k", "", "3", "1", "0"]
+    none = make_report.serving_schedule_record(None, args)
+    assert none["ranges"] is None and "no speedup forecast" in none["advice"]
+    assert report_forecast.schedule_sections({"forecast": None, "serving_schedule": none}) == []

@@ -115,3 +115,20 @@ def curves_from_points(points: list[dict], k: int) -> dict[int, dict[int, float]
     from .curve import speedup_rows
 
     return {k: {r["streams"]: r["speedup"] for r in speedup_rows(points, k)}}
+
+
+def from_placements(by_k: dict[str, dict[str, dict]], draft_config: dict | None,
+                    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> dict:
+    """The report's schedule: the trained draft's tau per k placed on the forecast
+    (curve.placements_by_k), why each left-out (k, concurrency) is left out, and vLLM's own check
+    of the ranges where vLLM is importable (a refusal there is this writer's bug: it raises)."""
+    out = serving_schedule(curves_from_placements(by_k), draft_config, max_num_seqs)
+    out["tau_by_k"] = {k: next((p["tau"] for p in per_n.values()), None) for k, per_n in by_k.items()}
+    out["not_chosen"] = {k: {n: p["reason"] for n, p in per_n.items() if p["reason"]} for k, per_n in by_k.items()}
+    if out["speculative_config"]:
+        try:
+            vllm_lookup(out)
+            out["checked_by"] = "vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup"
+        except ImportError as err:
+            out["checked_by"] = f"not checked: vLLM is not importable here ({err})"
+    return out
