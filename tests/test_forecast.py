@@ -488,3 +488,8 @@ def test_vllm_serve_starts_with_a_written_schedule_and_drafts_by_it(tmp_path, ti
         counters = scrape(server.url)
     drafts, _, draft_tokens = (counters[name] for name in SPEC_COUNTERS)
     assert drafts > 0 and draft_tokens == drafts  # k 1 at batch size 1
+
+
+def test_a_draft_that_pays_only_beyond_max_num_seqs_is_served_without():
+    s = schedule.serving_schedule({3: {1: 0.8, 512: 1.2}}, DRAFT_SPEC, max_num_seqs=256)
+    assert s["ranges"] is None and s["advice"] == schedule.NO_DRAFT_TEXT  # vLLM refuses k 0 with a schedule

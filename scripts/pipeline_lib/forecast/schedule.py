@@ -12,14 +12,16 @@ draft over without at the same requests in flight):
 
 - at each measured concurrency, the k with the highest speedup, or 0 where none beats 1.0;
 - between two measured concurrencies a and b the boundary is their geometric midpoint
-  (floor(sqrt(a * b)): a keeps 1..that, b takes the rest), because the curves are measured at
-  log-spaced concurrencies (1, 4, 16, 64) and a step's cost grows with log batch size more than
-  linearly; below the smallest measured concurrency its k holds, and so does the largest's up to
-  max_num_seqs (an extrapolation the schedule records);
+  (floor(sqrt(a * b)): a's k up to it, b's after it): the curves are measured at log-spaced
+  concurrencies (1, 4, 16, 64), so that is the batch size as far from one measurement as from the
+  other on the scale they were chosen on; nothing between them is measured either way. Below the
+  smallest measured concurrency its k holds, and the largest's holds up to max_num_seqs (beyond
+  what was measured: the record keeps largest_measured_concurrency);
 - adjacent ranges with equal k are merged.
 
 `vllm_lookup` expands the ranges with vLLM's own code (vllm.v1.spec_decode.dynamic.utils, the
-function its scheduler calls), which validates them. vLLM drops the schedule under data parallelism (>1 rank) and serves the static k.
+function its scheduler calls), which validates them. vLLM drops the schedule under data
+parallelism (more than one rank) and serves the static k.
 """
 from __future__ import annotations
 
@@ -73,11 +75,11 @@ def serving_schedule(curves: dict[int, dict[int, float]], draft_config: dict | N
     out = {"speedup_by_k": {str(k): {str(n): s for n, s in sorted(c.items())} for k, c in sorted(curves.items())},
            "k_by_concurrency": {str(n): k for n, k in choice.items()}, "max_num_seqs": max_num_seqs,
            "largest_measured_concurrency": max(choice, default=None)}
-    if not any(choice.values()):  # unknown (nothing measured) is not "the draft loses"
+    ranges = batch_size_ranges(choice, max_num_seqs) if choice else []
+    largest = max((k for _, _, k in ranges), default=0)
+    if not largest:  # unknown (nothing measured) is not "the draft loses"
         out.update(ranges=None, speculative_config=None, advice=NO_DRAFT_TEXT if choice else NO_SCHEDULE_TEXT)
         return out
-    ranges = batch_size_ranges(choice, max_num_seqs)
-    largest = max(k for _, _, k in ranges)
     spec = {**(draft_config or {}), "num_speculative_tokens": largest,
             "num_speculative_tokens_per_batch_size": ranges}
     out.update(ranges=ranges, speculative_config=spec,
@@ -86,7 +88,8 @@ def serving_schedule(curves: dict[int, dict[int, float]], draft_config: dict | N
 
 
 def ranges_text(schedule: dict) -> str:
-    """One line for a report: '1-2: k 3, 3-8: k 1, 9-256: no draft' or 'serve without a draft'."""
+    """One line for a report: '1-8 in flight: k 3, 9-256 in flight: no speculation', or the advice
+    ("serve without a draft", no schedule and why)."""
     if not schedule.get("ranges"):
         return schedule["advice"]
     return ", ".join(f"{a}-{b} in flight: " + (f"k {k}" if k else "no speculation") for a, b, k in schedule["ranges"])
