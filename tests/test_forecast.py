@@ -145,6 +145,11 @@ def test_enabled_forecast_joins_the_default_target_and_feeds_the_report(tmp_path
     assert "rule forecast:" in out
     assert "--forecast results/tiny/forecast/forecast.json" in out  # the report job reads it
     assert "--schedule results/tiny/drafts/default/report/serving_schedule.json" in out
+    # the ks to forecast: unset, the forecast job's settings are those of earlier runs (no rerun)
+    assert "speculative_token_counts" not in out
+    test_config["forecast"] = {"enabled": True, "speculative_token_counts": [1, 3]}
+    dry = run_snakemake(tmp_path, test_config, "-n", "-p")
+    assert re.search(r'speculative_token_counts\W+\[1, 3\]', dry.stdout + dry.stderr)
     test_config["forecast"] = {"enabled": False}
     out = run_snakemake(tmp_path, test_config, "-n", "-p").stdout
     assert "rule forecast:" not in out and "--forecast" not in out
