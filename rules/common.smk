@@ -511,4 +511,6 @@ def forecast_settings():
              "draft_vocab_size": train["draft_vocab_size"], "num_speculative_tokens": verify["num_speculative_tokens"],
              "aux_layer_ids": config["hidden_states"]["aux_layer_ids"]}
     value.pop("enabled")
+    if value.get("speculative_token_counts") is None:  # the default (verify's k): same settings, no rerun
+        value.pop("speculative_token_counts", None)
     return json.dumps(value, sort_keys=True)

@@ -145,10 +145,14 @@ rule report:
         provenance=lambda wc: provenance_chain(wc.variant),
         # The run's speedup forecast, where it has one: the report places this draft on it.
         forecast=lambda wc: [f"{R}/forecast/forecast.json"] if config["forecast"]["enabled"] else [],
+        # The serving schedule's speculative config names the draft and reads its type.
+        draft=f"{R}/drafts/{{variant}}/final",
     output:
         verification=report(f"{R}/drafts/{{variant}}/report/verification.json", category="Verification", labels={"variant": "{variant}", "file": "verification.json"}),
         markdown=report(f"{R}/drafts/{{variant}}/report/report.md", category="Verification", labels={"variant": "{variant}", "file": "report.md"}),
         html=report(f"{R}/drafts/{{variant}}/report/report.html", category="Verification", labels={"variant": "{variant}", "file": "report.html"}),
+        # The k per batch size for `vllm serve --speculative-config` (or why there is none).
+        schedule=f"{R}/drafts/{{variant}}/report/serving_schedule.json",
     params:
         script=script("make_report.py"),
         settings=lambda wc: settings("verify"),
@@ -171,6 +175,7 @@ rule report:
         " --lineage {params.lineage:q}"
         " --contract {input.contract} --acceptance {input.acceptance} --metrics {input.metrics}"
         " --provenance {input.provenance} --overlaps {input.overlaps} {params.forecast}"
+        " --draft {input.draft} --schedule {output.schedule}"
         " --out-dir $(dirname {output.verification})"
         " > {log} 2>&1"
 

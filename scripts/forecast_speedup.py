@@ -3,9 +3,11 @@
 
 Before any data is generated: vLLM serves the run's target (its config and tokenizer; its real
 weights, or random ones with forecast.weights: dummy) without a draft, then with the draft the
-run will train (train.draft_type, draft_layers, draft_vocab_size; k = verify.num_speculative_tokens;
-random weights) at each acceptance length of forecast.tau, which vLLM's synthetic rejection
-sampler makes the draft accept on average. One server per arm; GuideLLM measures each at the
+run will train (train.draft_type, draft_layers, draft_vocab_size; random weights) at each k of
+forecast.speculative_token_counts (default: verify.num_speculative_tokens alone) and each
+acceptance length of forecast.tau up to that k + 1, which vLLM's synthetic rejection sampler makes
+the draft accept on average. Every draft point records its k; the report's serving schedule
+chooses among the ks per concurrency. One server per arm; GuideLLM measures each at the
 requests in flight of forecast.concurrency (closed-loop streams, a window with its warm-up and
 cool-down cut), as bench/speedup_curve.py measures a trained draft. Every point is checked
 (failed requests, too few requests, the tau the server counted against the tau asked for, a
@@ -42,7 +44,7 @@ from pipeline_lib.provenance import Provenance, accelerator  # noqa: E402
 DEFAULTS = {"weights": "real", "tau": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "concurrency": [1, 4, 16, 64],
             "seconds": 12.0, "warmup": 0.1, "max_tokens": 128, "min_requests": 8, "max_model_len": 2048,
             "dtype": "auto", "draft_type": "eagle3", "draft_layers": 1, "draft_vocab_size": 32000,
-            "num_speculative_tokens": 3, "aux_layer_ids": None}
+            "num_speculative_tokens": 3, "speculative_token_counts": None, "aux_layer_ids": None}
 
 
 def parse_args():
@@ -74,17 +76,34 @@ def first_turns(path: Path) -> list[str]:
 
 def resolve(settings: dict, on_gpu: bool) -> dict:
     s = {**DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k == "aux_layer_ids"}}
-    k = s["num_speculative_tokens"]
+    # verify's k always: the report places the trained draft at the k its acceptance was counted with
+    s["speculative_token_counts"] = sorted({int(k) for k in s["speculative_token_counts"] or []}
+                                           | {s["num_speculative_tokens"]})
+    k = max(s["speculative_token_counts"])
+    where = (f"verify.num_speculative_tokens = {k}" if s["speculative_token_counts"] == [s["num_speculative_tokens"]]
+             else f"the largest of forecast.speculative_token_counts = {s['speculative_token_counts']}")
     s["tau"] = sorted({float(t) for t in s["tau"]})
     bad = [t for t in s["tau"] if not 1.0 <= t <= k + 1]
     if bad:
         raise PipelineError(f"forecast.tau = {bad}: an acceptance length lies between 1 (nothing accepted) "
-                            f"and k + 1 = {k + 1} (verify.num_speculative_tokens = {k}); drop or lower them")
+                            f"and k + 1 = {k + 1} ({where}); drop or lower them")
     if s["dtype"] == "auto":  # the workflow resolved it already; here for a direct call (bench/)
         s["dtype"] = dtypes.resolve_one({"forecast": {"dtype": "auto"}, "resources": {"forecast": {"gpu": int(on_gpu)}}},
                                         "forecast", dtypes.cpu())["dtype"]
     s["concurrency"] = sorted({int(c) for c in s["concurrency"]})
     return s
+
+
+def draft_arms(s: dict, specs: dict[int, dict], synthetic: bool, load_format: str | None, loads: list) -> list[Arm]:
+    """Per k: one arm per tau it can reach (tau <= k + 1) with synthetic acceptance, else one arm
+    at the draft's own acceptance. Tags name the k only where there are several (one k: the
+    tags of earlier records)."""
+    prefix = {k: "" if len(specs) == 1 else f"k{k}-" for k in specs}
+    if not synthetic:
+        return [Arm("draft", f"{prefix[k]}draft", spec, k=k, load_format=load_format, loads=loads)
+                for k, spec in specs.items()]
+    return [Arm("draft", f"{prefix[k]}tau-{tau}", spec, k=k, tau_set=tau, load_format=load_format, loads=loads)
+            for k, spec in specs.items() for tau in s["tau"] if tau <= k + 1]
 
 
 def main() -> int:
@@ -109,9 +128,11 @@ def main() -> int:
                   enforce_eager=not on_gpu, extra_args=tensor_parallel_args(on_gpu))
     # Synthetic acceptance needs vLLM's GPU sampler; a trained --draft is measured as it accepts.
     synthetic = on_gpu and args.draft is None
-    draft = args.draft or draft_dir(s, args.target, work, with_weights=not dummy)
+    ks = s["speculative_token_counts"]
+    # One draft for every k, written at the largest: vLLM serves a draft at any k up to its own.
+    draft = args.draft or draft_dir({**s, "num_speculative_tokens": max(ks)}, args.target, work, with_weights=not dummy)
     from pipeline_lib import draft_types
-    spec = draft_types.speculative_config_for(draft, s["num_speculative_tokens"])
+    specs = {k: draft_types.speculative_config_for(draft, k) for k in ks}
     record = {"settings": s, "target": str(args.target), "draft": str(draft), "label": args.label or args.target.name,
               "target_config": {k: v for k, v in json.loads((args.target / "config.json").read_text()).items()
                                 if k in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
@@ -129,23 +150,21 @@ def main() -> int:
     except Exception:  # the record says which vLLM where it can
         record["vllm_version"] = None
     loads, weights = [(NATURAL, s["concurrency"])], "dummy" if dummy else None
-    arms = [Arm(curve.NO_DRAFT, "nodraft", load_format=weights, loads=loads)]
-    if synthetic:
-        arms += [Arm("draft", f"tau-{tau}", spec, tau_set=tau, load_format=weights, loads=loads) for tau in s["tau"]]
-    else:
-        arms.append(Arm("draft", "draft", spec, load_format=weights, loads=loads))
+    arms = [Arm(curve.NO_DRAFT, "nodraft", load_format=weights, loads=loads)] + draft_arms(s, specs, synthetic, weights, loads)
     for arm in arms:
         measure_arm(arm, common, s, {NATURAL: data}, args.target, work, record)
     flag_impossible(record["points"])
-    record.update(curve.summary(record["points"], s["concurrency"]))
+    record.update(curve.summary(record["points"], s["concurrency"], ks, s["num_speculative_tokens"]))
     record["wall_s"] = round(time.time() - started, 1)
     title = (f"{record['label']}: {s['draft_type']} draft, {s['draft_layers']} layer(s), draft vocab "
-             f"{s['draft_vocab_size']:,}, k {s['num_speculative_tokens']}, {record['accelerator'].get('name') or 'CPU'}")
-    md = f"Speedup (output tok/s with the draft over without, at equal requests in flight), {title}\n\n" + curve.table_md(record["points"], s["concurrency"])
+             f"{s['draft_vocab_size']:,}, k {', '.join(map(str, ks))}, {record['accelerator'].get('name') or 'CPU'}")
+    md = f"Speedup (output tok/s with the draft over without, at equal requests in flight), {title}\n"
+    for k in ks:
+        md += ("\n" if len(ks) == 1 else f"\nk {k}:\n\n") + curve.table_md(record["points"], s["concurrency"], k, s["num_speculative_tokens"])
     if record["note"]:
         md += f"\n{record['note']}.\n"
     table, plot = args.table or args.out.with_suffix(".md"), args.plot or args.out.with_suffix(".png")
-    curve.plot(record["points"], s["concurrency"], plot, title)
+    curve.plot(record["points"], s["concurrency"], plot, title, ks, s["num_speculative_tokens"])
     atomic_write_text(table, md)
     atomic_write_json(args.out, record)  # last: its presence means the others are complete
     prov.write(args.out.with_name("provenance.json"), inputs={"target": str(args.target), "prompts": str(args.prompts)},

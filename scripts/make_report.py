@@ -6,7 +6,9 @@ throughput, contract checks, training curves and the provenance chain from promp
 Each section is a module of pipeline_lib/report/ (document.SECTIONS: their order).
 
 Writes into --out-dir: verification.json (every number), report.md and a self-contained
-report.html (plots embedded as PNG; no external links or files).
+report.html (plots embedded as PNG; no external links or files); and --schedule
+(serving_schedule.json): the k per batch size to serve the draft with, from the run's forecast
+(forecast/schedule.py), or why there is none.
 
 Exit status: 0 when the draft passes; 1 AFTER writing the report when a required contract
 check failed, when the acceptance backend could not run the draft, or (with
@@ -27,15 +29,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib import cli  # noqa: E402
-from pipeline_lib.errors import run_main  # noqa: E402
+from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
+from pipeline_lib.forecast import schedule  # noqa: E402
 from pipeline_lib.forecast.curve import placement  # noqa: E402
 from pipeline_lib.render import render_html, render_markdown  # noqa: E402
 from pipeline_lib.report import (build_sections, evaluate_thresholds, load_metrics, make_plots,  # noqa: E402
                                  measured_from_records, provenance_summary, suites_summary, training_summary,
                                  verdict)
 from pipeline_lib.secrets import scrub_obj  # noqa: E402
+
+
+def serving_schedule_record(placed: dict | None, args) -> dict:
+    """The schedule with what it was derived from; without a forecast, why there is none."""
+    derived = {"forecast": args.forecast, "acceptance": args.acceptance, "draft": args.draft}
+    if placed is None:
+        return {"ranges": None, "speculative_config": None, "derived_from": derived,
+                "advice": "no schedule: the run has no speedup forecast (forecast.enabled: false)"}
+    draft_config = None
+    if args.draft:
+        from pipeline_lib import draft_types
+        try:
+            draft_config = draft_types.speculative_config_for(args.draft, 1)  # its k set by the schedule
+        except PipelineError as err:  # a type vLLM cannot serve: the schedule says so, the report goes on
+            return {"ranges": None, "speculative_config": None, "derived_from": derived,
+                    "advice": f"no schedule: {err}"}
+    out = schedule.from_placements(placed["by_k"], draft_config)
+    derived.update(is_forecast=placed["is_forecast"], note=placed["note"], accelerator=placed["accelerator"])
+    return {**out, "derived_from": derived}
 
 
 def main() -> int:
@@ -50,6 +72,8 @@ def main() -> int:
                         "(rules/common.smk variant_lineage)")
     p.add_argument("--overlaps", nargs="*", default=[], help="eval_suites/<suite>/overlap.json files")
     p.add_argument("--forecast", help="forecast/forecast.json, when the run has a speedup forecast")
+    p.add_argument("--draft", help="the trained draft (drafts/<variant>/final): the serving schedule's model")
+    p.add_argument("--schedule", help="serving_schedule.json to write (the speculative config for vllm serve)")
     p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     settings = args.settings
@@ -68,6 +92,7 @@ def main() -> int:
     eval_prompts = next((r.get("settings") or {} for r in prov_records if r.get("rule") == "prompts_eval"), {})
 
     thresholds = evaluate_thresholds(settings, acceptance)
+    placed = placement(read_json(args.forecast, "speedup forecast (forecast.json)"), acceptance) if args.forecast else None
     result = {
         "variant": args.variant,
         "lineage": args.lineage,
@@ -80,8 +105,8 @@ def main() -> int:
                                  settings, eval_held_out=bool(eval_prompts.get("eval_held_out")),
                                  eval_source=eval_prompts.get("eval")),
         "training": training_summary(metrics, prov_records),
-        "forecast": placement(read_json(args.forecast, "speedup forecast (forecast.json)"), acceptance)
-                    if args.forecast else None,
+        "forecast": placed,
+        "serving_schedule": serving_schedule_record(placed, args),
         "provenance": {"records": prov_rows, "chain": chain},
         "inputs": {"contract": args.contract, "acceptance": args.acceptance, "metrics": args.metrics,
                    "provenance": [str(q) for q in prov_paths]},
@@ -94,6 +119,9 @@ def main() -> int:
 
     out = Path(args.out_dir)
     outputs = {"verification": out / "verification.json", "markdown": out / "report.md", "html": out / "report.html"}
+    if args.schedule:
+        outputs["schedule"] = Path(args.schedule)
+        atomic_write_json(outputs["schedule"], result["serving_schedule"])
     atomic_write_json(outputs["verification"], result)
     atomic_write_text(outputs["markdown"], render_markdown(sections))
     atomic_write_text(outputs["html"], render_html(title, sections, plots))

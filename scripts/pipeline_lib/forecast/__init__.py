@@ -12,4 +12,5 @@ break-even tau (where the draft starts to pay).
   load.py    one GuideLLM point (closed-loop streams) and the checks that keep a lying point out
   shapes.py  the draft config the run will train, written without weights; reference shapes
   curve.py   speedup per tau and concurrency, break-even, a measured tau placed on the curve
+  schedule.py  the k per batch size vLLM should serve the draft with (from curves per k)
 """

@@ -27,6 +27,7 @@ class Arm:
     arm: str                              # curve.NO_DRAFT, or the draft arm's name
     tag: str                              # its files: server-<tag>.log, guidellm-<tag>-...
     speculative_config: dict | None = None
+    k: int | None = None                  # num_speculative_tokens of its speculative_config
     tau_set: float | None = None          # synthetic mean acceptance length asked for
     rates_set: list[float] | None = None  # or synthetic per-position (unconditional) rates
     load_format: str | None = None        # "dummy": random weights, no weights read
@@ -80,6 +81,8 @@ def measure_arm(arm: Arm, server_args: dict, s: dict, data: dict[str, Path], tok
     every = [(name, n) for name, streams in arm.loads for n in streams]
     base = {"arm": arm.arm, "tag": arm.tag, "weights": "dummy" if arm.load_format == "dummy" else "real",
             "tau_set": arm.expected_tau()}
+    if arm.k is not None:
+        base["k"] = arm.k
     if arm.rates_set is not None:
         base["rates_set"] = list(arm.rates_set)
     try:
