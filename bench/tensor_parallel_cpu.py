@@ -4,7 +4,7 @@ job (baseline, drafts, speedup rounds), on the tests' tiny target and a draft th
 for it. vLLM's CPU backend runs tensor parallel across processes (pipeline_lib/parallel.py,
 PIPELINE_CPU_TENSOR_PARALLEL). The noise is measured, not assumed: tensor parallel 1 runs twice.
 
-    .venv/bin/python bench/tensor_parallel_cpu.py [--work DIR] [--out bench/results/DATE-tensor-parallel-cpu.json]
+    .venv/bin/python bench/tensor_parallel_cpu.py [--work DIR] [--out bench/results/tensor-parallel-cpu-DATE.json]
 
 Writes per layout and repeat: the load check's greedy token ids, drafts and tau; the acceptance
 job's greedy token ids without and with the draft, tau trained and untrained, its speedup
@@ -39,7 +39,9 @@ def script(name: str, *args, env: dict, log: Path) -> float:
     return round(time.time() - t0, 1)
 
 
-def measure(r: Path, out: Path, tp: int) -> dict:
+def measure(r: Path, out: Path, tp: int, reuse: bool = False) -> dict:
+    if reuse:
+        return read_layout(out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PIPELINE_CPU_TENSOR_PARALLEL": str(tp)}
     settings = json.dumps(SETTINGS)
@@ -53,6 +55,12 @@ def measure(r: Path, out: Path, tp: int) -> dict:
                                    "--draft", r / "drafts/default/final", "--untrained", r / "drafts/default/untrained",
                                    "--prompts", r / "prompts/eval.jsonl", "--baseline", out / "baseline.json",
                                    "--out", out / "acceptance.json", env=env, log=out / "acceptance.log")
+    (out / "seconds.json").write_text(json.dumps(seconds))
+    return read_layout(out)
+
+
+def read_layout(out: Path) -> dict:
+    seconds = json.loads((out / "seconds.json").read_text())
     load = json.loads((out / "load_check.json").read_text())
     acc = json.loads((out / "acceptance.json").read_text())
     prov = json.loads((out / "acceptance.provenance.json").read_text())
@@ -71,6 +79,39 @@ def measure(r: Path, out: Path, tp: int) -> dict:
             "speedup_engines": acc["timing"].get("speedup_engines"),
             "parallel": prov.get("parallel")},
     }
+
+
+def load_check_flips(r: Path, runs: dict) -> list[dict]:
+    """Where the load check's greedy tokens at tensor parallel 2 differ from 1: the target's
+    top-2 logit gap at the first differing position, in float32 and in its own bfloat16
+    (transformers). A gap below one bfloat16 step of the logits is a near-tie that any change of
+    summation order may flip."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from load_check import PROMPTS
+
+    target = r / "target/model"
+    tok = AutoTokenizer.from_pretrained(target)
+    flips = []
+    for prompt, tp1, tp2 in zip(PROMPTS, runs["tp1-a"]["load_check"]["token_ids"], runs["tp2"]["load_check"]["token_ids"]):
+        at = next((i for i, (x, y) in enumerate(zip(tp1, tp2)) if x != y), None)
+        if at is None:
+            continue
+        ids = tok(prompt)["input_ids"] + tp1[:at]
+        gaps = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+            gaps[str(dtype).removeprefix("torch.")] = {
+                "tp1_token_minus_tp2_token": round(float(logits[tp1[at]] - logits[tp2[at]]), 5),
+                "argmax": int(logits.argmax()), "max_abs_logit": round(float(logits.abs().max()), 4)}
+        flips.append({"prompt": prompt, "position": at, "tp1_token": tp1[at], "tp2_token": tp2[at],
+                      "tokens_equal_after": tp1[at + 1:] == tp2[at + 1:], "logit_gap": gaps,
+                      "bfloat16_step_at_this_magnitude": 2.0 ** -8})
+    return flips
 
 
 def compare(runs: dict) -> dict:
@@ -94,17 +135,20 @@ def compare(runs: dict) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("/tmp/tp-cpu-bench"))
-    p.add_argument("--out", type=Path, default=REPO / "bench/results" / f"{time.strftime('%Y-%m-%d')}-tensor-parallel-cpu.json")
+    p.add_argument("--reuse", action="store_true", help="the runs already in --work (no pipeline, no engines)")
+    p.add_argument("--out", type=Path, default=REPO / "bench/results" / f"tensor-parallel-cpu-{time.strftime('%Y-%m-%d')}.json")
     args = p.parse_args()
     config = base_test_config(build_target("tiny"))
     config["generation"]["num_shards"] = config["hidden_states"]["num_shards"] = 1
     r = args.work / "results" / "tiny"
     rel = "results/tiny"
-    run_snakemake(args.work, config, f"{rel}/drafts/default/final", f"{rel}/drafts/default/untrained",
-                  f"{rel}/prompts/eval.jsonl", timeout=3600)
-    runs = {name: measure(r, args.work / "layouts" / name, tp) for name, tp in LAYOUTS}
+    if not args.reuse:
+        run_snakemake(args.work, config, f"{rel}/drafts/default/final", f"{rel}/drafts/default/untrained",
+                      f"{rel}/prompts/eval.jsonl", timeout=3600)
+    runs = {name: measure(r, args.work / "layouts" / name, tp, reuse=args.reuse) for name, tp in LAYOUTS}
     record = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpus": os.cpu_count(), "processor": _cpu_model()},
-              "settings": SETTINGS, "runs": runs, "comparison": compare(runs)}
+              "settings": SETTINGS, "load_check_dtype": "the target's own (bfloat16)", "runs": runs,
+              "comparison": {**compare(runs), "load_check_flips": load_check_flips(r, runs)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["comparison"], indent=1))
