@@ -45,10 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import forecast_speedup  # noqa: E402  (the stage's settings and prompt reader)
-from pipeline_lib import draft_types, runtime  # noqa: E402
+from pipeline_lib import draft_types, parallel, runtime  # noqa: E402
 from pipeline_lib.forecast import curve, load  # noqa: E402
 from pipeline_lib.forecast.arms import (FIXED, NATURAL, Arm, draft_dir, flag_impossible,  # noqa: E402
-                                        measure_arm, tensor_parallel_args)
+                                        measure_arm)
 from pipeline_lib.io import atomic_write_json, atomic_write_text  # noqa: E402
 from pipeline_lib.provenance import accelerator  # noqa: E402
 
@@ -190,7 +190,7 @@ def main() -> int:
     data = {NATURAL: load.prompts_file(turns, work / "prompts-natural.json"),
             FIXED: load.prompts_file(turns, work / "prompts-fixed.json", output_tokens=s["max_tokens"])}
     common = dict(target=args.target, dtype=s["dtype"], max_model_len=s["max_model_len"], max_num_seqs=max(conc),
-                  enforce_eager=not on_gpu, extra_args=tensor_parallel_args(on_gpu))
+                  enforce_eager=not on_gpu, extra_args=parallel.decide().apply().serve_args())
     k = s["num_speculative_tokens"]
     trained_spec = draft_types.speculative_config_for(args.draft, k)
     record = {"settings": s, "target": str(args.target), "draft": str(args.draft), "prompts": len(turns),

@@ -289,6 +289,12 @@ def res(stage, key):
     return stage_resources(config, stage)[key]
 
 
+def pipeline_parallel(stage):
+    """resources.<stage>.pipeline_parallel (1 unless asked): run_on_gpus.py hands it to the job,
+    whose engine takes tensor parallel from the rest of its GPUs (pipeline_lib/parallel.py)."""
+    return int(stage_resources(config, stage).get("pipeline_parallel") or 1)
+
+
 def is_packaged(ref):
     return isinstance(ref, str) and ref.startswith(PYPI_PREFIX)
 

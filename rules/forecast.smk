@@ -16,6 +16,7 @@ rule forecast:
     params:
         script=script("forecast_speedup.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("forecast"),
         settings=lambda wc: forecast_settings(),
         work=f"{R}/logs/forecast/work",
         code=code_version("forecast_speedup.py", "run_on_gpus.py"),
@@ -31,7 +32,7 @@ rule forecast:
         runtime=res("forecast", "runtime"),
         gpu=res("forecast", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --settings {params.settings:q} --target {input.target}"
         " --prompts {input.prompts} --out {output.forecast} --table {output.table} --plot {output.plot}"
         " --work {params.work} > {log} 2>&1"

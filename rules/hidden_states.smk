@@ -19,6 +19,7 @@ rule hidden_states_shard:
     params:
         script=script("extract_hidden_states.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("hidden_states"),
         settings=instance_settings("hidden_states"),
         code=code_version("extract_hidden_states.py", "run_on_gpus.py"),
         store=lambda wc: f"{R}/{wc.hidden_states}/store",
@@ -34,7 +35,7 @@ rule hidden_states_shard:
         runtime=res("hidden_states", "runtime"),
         gpu=res("hidden_states", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --manifest {input.manifest} --data {input.data}"
         " --shard {wildcards.shard} --num-shards {wildcards.num_shards} --store-dir {params.store}"

@@ -15,6 +15,7 @@ rule synthesize_shard:
     params:
         script=script("synthesize_prompts.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("synthesize"),
         settings=lambda wc: synthesis_settings(),
         code=code_version("synthesize_prompts.py", "run_on_gpus.py"),
         cache=f"{R}/synthesized/cache",
@@ -30,7 +31,7 @@ rule synthesize_shard:
         runtime=res("synthesize", "runtime"),
         gpu=res("synthesize", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --manifest {input.manifest}"
         " --shard {wildcards.shard} --num-shards {wildcards.num_shards} --cache-dir {params.cache}"

@@ -17,6 +17,7 @@ rule traces_shard:
     params:
         script=script("generate_traces.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("traces"),
         settings=instance_settings("traces"),
         code=code_version("generate_traces.py", "run_on_gpus.py"),
         cache=lambda wc: f"{R}/{wc.traces}/cache",
@@ -32,7 +33,7 @@ rule traces_shard:
         runtime=res("traces", "runtime"),
         gpu=res("traces", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --manifest {input.manifest} --prompts {input.prompts}"
         " --shard {wildcards.shard} --num-shards {wildcards.num_shards} --cache-dir {params.cache}"

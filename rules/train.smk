@@ -61,6 +61,7 @@ rule load_check:
     params:
         script=script("load_check.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("verify"),
         code=code_version("load_check.py", "run_on_gpus.py"),
         draft_type=lambda wc: variant_train(wc.variant)["draft_type"],
     conda:
@@ -75,6 +76,6 @@ rule load_check:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --target {input.target} --draft {input.draft}"
         " --draft-type {params.draft_type} --out {output} > {log} 2>&1"

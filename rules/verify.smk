@@ -79,6 +79,7 @@ rule acceptance_baseline:
     params:
         script=script("measure_baseline.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("verify"),
         settings=lambda wc: baseline_settings_for_key(wc.baseline),
         suites=lambda wc: suite_flags(),
         code=code_version("measure_baseline.py", "run_on_gpus.py"),
@@ -94,7 +95,7 @@ rule acceptance_baseline:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --prompts {input.prompts} {params.suites} --out {output} > {log} 2>&1"
 
@@ -113,6 +114,7 @@ rule acceptance:
     params:
         script=script("measure_acceptance.py"),
         gpu_wrapper=script("run_on_gpus.py"),
+        pipeline_parallel=pipeline_parallel("verify"),
         # The speedup rounds' settings: only this job reads them (not the shared baseline).
         settings=lambda wc: with_speedup_settings(acceptance_settings(wc.variant),
                                                   stages.variant_config(config, wc.variant)["verify"]),
@@ -130,7 +132,7 @@ rule acceptance:
         runtime=res("verify", "runtime"),
         gpu=res("verify", "gpu"),
     shell:
-        "python {params.gpu_wrapper} --gpus {resources.gpu} --"
+        "python {params.gpu_wrapper} --gpus {resources.gpu} --pipeline-parallel {params.pipeline_parallel} --"
         " python {params.script} --settings {params.settings:q}"
         " --target {input.target} --draft {input.draft} --untrained {input.untrained}"
         " --prompts {input.prompts} {params.suites} --baseline {input.baseline} --out {output} > {log} 2>&1"

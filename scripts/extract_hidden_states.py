@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, dtypes, runtime  # noqa: E402
+from pipeline_lib import cli, dtypes, parallel, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.hidden_states import (  # noqa: E402
     FileRecord, HSStore, LayerSpec, Row, backend_class, hs_name, layer_spec, log_to_stderr, shard_range, store_key,
@@ -165,6 +165,7 @@ def main() -> None:
         "target_digest": t_digest, "data_digest": d_digest,
         "store_key": key, "store_dir": str(store.root),
         "backend": backend_name,
+        "parallel": parallel.decisions(),  # the engine's layout over the job's GPUs (vllm backend)
         "rows": len(rows), "tokens": tokens, "bytes": size,
         "bytes_per_token": size / tokens if tokens else None,
         "reused": reused, "regenerated": len(todo), "invalid": invalid, "removed_temp_files": len(removed),

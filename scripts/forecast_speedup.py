@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, dtypes, runtime  # noqa: E402
+from pipeline_lib import cli, dtypes, parallel, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.forecast import curve, load  # noqa: E402
-from pipeline_lib.forecast.arms import (NATURAL, Arm, draft_dir, flag_impossible,  # noqa: E402,F401 (tests call flag_impossible here)
-                                         measure_arm, tensor_parallel_args)
+# flag_impossible: the tests call it here
+from pipeline_lib.forecast.arms import NATURAL, Arm, draft_dir, flag_impossible, measure_arm  # noqa: E402,F401
 from pipeline_lib.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance, accelerator  # noqa: E402
 
@@ -125,7 +125,7 @@ def main() -> int:
     started = time.time()
     common = dict(target=args.target, dtype=s["dtype"], max_model_len=s["max_model_len"],
                   max_num_seqs=max(s["concurrency"]),
-                  enforce_eager=not on_gpu, extra_args=tensor_parallel_args(on_gpu))
+                  enforce_eager=not on_gpu, extra_args=parallel.decide().apply().serve_args())
     # Synthetic acceptance needs vLLM's GPU sampler; a trained --draft is measured as it accepts.
     synthetic = on_gpu and args.draft is None
     ks = s["speculative_token_counts"]

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli  # noqa: E402
+from pipeline_lib import cli, parallel  # noqa: E402
 from pipeline_lib.digests import file_digest, manifest_digest  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.hidden_states.store import hs_name, log_to_stderr  # noqa: E402
@@ -205,7 +205,7 @@ def write_provenance(args, shards, shared, backends, data_dir_digest: str, count
                # makes the same manifest as an uninterrupted one and nothing after it is stale.
                links=counts, store={"reused": sum(s["reused"] for _, s in shards),
                                     "regenerated": sum(s["regenerated"] for _, s in shards)},
-               dtype_resolution=resolutions)
+               dtype_resolution=resolutions, parallel=parallel.of_shards([s for _, s in shards]))
 
 
 if __name__ == "__main__":

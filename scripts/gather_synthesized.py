@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, runtime  # noqa: E402
+from pipeline_lib import cli, parallel, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json, atomic_write_jsonl, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
@@ -119,7 +119,7 @@ def main() -> int:
                        if s.get("path")})
     prov.write(args.provenance, inputs=inputs, outputs={"prompts": args.out, "summary": args.summary},
                counts={"candidates": len(candidates), "written": len(rows), "dropped": counts},
-               generation_key=summaries[0].get("generation_key"))
+               generation_key=summaries[0].get("generation_key"), parallel=parallel.of_shards(summaries))
     print(f"[synthesize gather] {len(rows)} of {len(candidates)} candidate requests kept -> {args.out}; dropped: "
           + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
     return 0

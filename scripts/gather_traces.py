@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli  # noqa: E402
+from pipeline_lib import cli, parallel  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json, atomic_write_jsonl, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance  # noqa: E402
@@ -116,7 +116,7 @@ def main() -> int:
                counts={k: summary[k] for k in ("rows", "ok", "failed", "truncated", "turns_total", "turns_answered",
                                               "turns_failed", "turns_dropped", "turns_with_token_ids")},
                turns=summary["turns"], source=summary["source"],
-               dtype_resolution=summaries[0].get("dtype_resolution"))
+               dtype_resolution=summaries[0].get("dtype_resolution"), parallel=parallel.of_shards(summaries))
     print(f"[traces gather] {summary['rows']} rows from {n} shard(s): {summary['ok']} ok "
           f"({summary['truncated']} truncated), {summary['failed']} failed; user turns: {summary['turns_answered']} "
           f"answered, {summary['turns_failed']} failed, {summary['turns_dropped']} of {summary['turns_total']} dropped "

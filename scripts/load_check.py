@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_lib import cli, draft_types, runtime  # noqa: E402
+from pipeline_lib import cli, draft_types, parallel, runtime  # noqa: E402
 from pipeline_lib import target as target_lib  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.io import atomic_write_json  # noqa: E402
@@ -106,6 +106,7 @@ def main() -> int:
     target_config = target_lib.load_config(target)
     draft_config, draft_type = check_draft_dir(draft, args.draft_type)
     runtime.setup()
+    layout = parallel.decide().apply()
     # The engine in this process, on GPU too: vLLM's own exception reaches us (not "engine core
     # failed, see above") and a 2-core CPU machine starts it in seconds instead of a minute.
     runtime.vllm_engine_in_process(on_gpu_too=True)
@@ -117,7 +118,8 @@ def main() -> int:
     started = time.time()
     try:
         llm = LLM(model=str(target), speculative_config=speculative_config, enforce_eager=True,
-                  max_model_len=max_len, seed=0, disable_log_stats=False, trust_remote_code=False)
+                  max_model_len=max_len, seed=0, disable_log_stats=False, trust_remote_code=False,
+                  **layout.engine_kwargs())
         load_s = time.time() - started
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
         spec = spec_decode_counts(llm.get_metrics())
@@ -132,12 +134,13 @@ def main() -> int:
         "ok": all(checks.values()), "checks": checks, "tokens": tokens, "prompts": len(PROMPTS),
         "seconds": round(time.time() - started, 3), "load_seconds": round(load_s, 3),
         "vllm_version": vllm.__version__, "draft": str(draft), "target": str(target),
-        "speculative_config": speculative_config, "spec_decode": spec,
+        "speculative_config": speculative_config, "spec_decode": spec, "parallel": layout.provenance(),
         "draft_vocab_size": draft_config.get("draft_vocab_size"),
         "draft_type": draft_type.name,
         "aux_layer_ids": draft_config.get(draft_type.aux_layers_key),
         "verifier_path": verifier,
         "sample": outputs[0].outputs[0].text if tokens else "",
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # greedy: what another layout must equal
     }
     atomic_write_json(args.out, result)
     if not result["ok"]:

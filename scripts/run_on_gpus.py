@@ -41,6 +41,7 @@ from typing import Callable, Mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
+from pipeline_lib.parallel import PIPELINE_PARALLEL_ENV  # noqa: E402
 from pipeline_lib.processes import parent_death_hook  # noqa: E402
 
 IDS_ENV = "PIPELINE_GPU_IDS"
@@ -360,9 +361,12 @@ def exit_like(returncode: int) -> int:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         prog="run_on_gpus.py",
-        usage="run_on_gpus.py --gpus N [--wait-timeout S] [--lock-dir DIR] -- COMMAND [ARGS...]",
+        usage="run_on_gpus.py --gpus N [--pipeline-parallel P] [--wait-timeout S] [--lock-dir DIR] -- COMMAND [ARGS...]",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, required=True, help="GPUs the command needs (0 = CPU job)")
+    p.add_argument("--pipeline-parallel", type=int, default=1,
+                   help="vLLM pipeline parallel size of the job's engine (resources.<stage>.pipeline_parallel); "
+                        f"passed on as ${PIPELINE_PARALLEL_ENV}, read by pipeline_lib/parallel.py")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help=f"seconds to wait for free GPUs before failing (default ${WAIT_ENV} or {DEFAULT_WAIT_S:.0f})")
     p.add_argument("--lock-dir", type=Path, default=None,
@@ -377,6 +381,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("no command given: put it after `--`, e.g. run_on_gpus.py --gpus 1 -- python train.py")
     if args.gpus < 0:
         p.error(f"--gpus must be 0 or more, got {args.gpus}")
+    if args.pipeline_parallel < 1 or (args.gpus and args.gpus % args.pipeline_parallel):
+        p.error(f"--pipeline-parallel {args.pipeline_parallel} must be 1 or more and divide --gpus {args.gpus}")
     return args, command
 
 
@@ -395,6 +401,7 @@ def wait_limit(args: argparse.Namespace, env: Mapping[str, str]) -> float:
 def main() -> int:
     args, command = parse_args(sys.argv[1:])
     env = dict(os.environ)
+    env[PIPELINE_PARALLEL_ENV] = str(args.pipeline_parallel)
     job_plan = plan(args.gpus, env)
     env.update(job_plan.extra_env)
 

@@ -87,6 +87,14 @@ def test_gpu_memory_follows_the_code_paths():
     assert mem["traces"] == mem["hidden_states"] == params * 2
     assert mem["train"] == draft * 4 + trainable * 12 + hidden * 32000 * 4
     assert mem["verify"] == 2 * params * 2 + draft * 2  # two engines (target alone, target + draft), one GPU
+    cfg["resources"]["verify"]["gpu"] = 2  # tensor parallel 2: the speedup's engines in turn, each split in two
+    mem = {stage: m["bytes_per_gpu"] for stage, m in make_plan(cfg, REPO / "results" / "no-such-run")["gpu_memory"].items()}
+    assert mem["verify"] == -(-(params * 2 + draft * 2) // 2)
+    cfg["verify"]["speedup_engines"] = "together"  # asked: both engines up at once, still split in two
+    mem = {stage: m["bytes_per_gpu"] for stage, m in make_plan(cfg, REPO / "results" / "no-such-run")["gpu_memory"].items()}
+    assert mem["verify"] == -(-(2 * params * 2 + draft * 2) // 2)
+    cfg["resources"]["verify"]["gpu"] = 1
+    del cfg["verify"]["speedup_engines"]
 
     cfg["resources"]["traces"]["gpu"] = 4
     cfg["hidden_states"]["backend"] = "transformers"
@@ -119,13 +127,18 @@ def refused(cfg: dict) -> list[str]:
 
 
 def test_the_plan_refuses_a_70b_target_verification_cannot_hold(tmp_path):
-    """The 70B worked config: its 141 GB bf16 target, twice, plus the draft, on the one GPU the
-    verify stage uses (no tensor parallel yet), whatever resources.verify.gpu says. Snakemake
-    stops before any job, with the message and no traceback; the dry run still prints the plan."""
-    (message,) = refused(yaml.safe_load(CONFIGS["70B"].read_text()))
-    assert message.startswith("verify: 287.6 GB on one GPU") and "70,553,706,496 parameters" in message
-    assert "exceeds the 80 GB of a GPU (plan.gpu_memory_gb) with resources.verify.gpu = 8" in message
-    proc = snakemake(CONFIGS["70B"], tmp_path)
+    """The 70B worked config fits its verification: tensor parallel over its 8 GPUs, the
+    speedup's engines one at a time, 18 GB of weights a GPU. On one GPU it cannot: its 141 GB
+    bf16 target, twice (the speedup's two engines up at once), plus the draft. Snakemake stops
+    before any job, with the message and no traceback."""
+    cfg = yaml.safe_load(CONFIGS["70B"].read_text())
+    assert refused(copy.deepcopy(cfg)) == []
+    cfg["resources"]["verify"]["gpu"] = 1
+    (message,) = refused(copy.deepcopy(cfg))
+    assert message.startswith("verify: 287.6 GB on one GPU (two acceptance engines at once") and "70,553,706,496 parameters" in message
+    assert "exceeds the 80 GB of a GPU (plan.gpu_memory_gb) with resources.verify.gpu = 1" in message
+    (tmp_path / "70b-verify-on-1.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake(tmp_path / "70b-verify-on-1.yaml", tmp_path)
     assert proc.returncode == 1 and "ERROR: the plan refuses this config" in proc.stderr, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr and 'File "' not in proc.stderr
     assert not (tmp_path / "results").exists()  # no job ran
@@ -136,7 +149,6 @@ def test_the_plan_refuses_weights_a_stage_gpus_cannot_hold():
     stage, the settings and the numbers; on 2 GPUs (70.6 GB each) it fits; on H200s (141 GB,
     plan.gpu_memory_gb) one holds 141.1 GB no more than 80 GB does."""
     cfg = yaml.safe_load(CONFIGS["70B"].read_text())
-    cfg["resources"]["verify"]["gpu"] = 0  # leave verification (the test above) out
     cfg["resources"]["traces"]["gpu"] = 1
     (message,) = refused(copy.deepcopy(cfg))
     assert message.startswith("traces: 141.1 GB on one GPU (target bfloat16, tensor parallel over 1 GPU(s)")

@@ -45,7 +45,7 @@ QUOTES = [
      "scripts/materialize_target.py", "the tokenizer does not load ({type(err).__name__}: {err}){hint}"),
     ("(if it needs custom code, set\ntarget.trust_remote_code: true)", "scripts/materialize_target.py",
      " (if it needs custom code, set target.trust_remote_code: true)"),
-    ("the load check\nitself runs vLLM without remote code", "scripts/load_check.py", "trust_remote_code=False)"),
+    ("the load check\nitself runs vLLM without remote code", "scripts/load_check.py", "trust_remote_code=False,"),
     ("needs a decoder with `.layers` and a final `.norm`",
      "scripts/pipeline_lib/hidden_states/transformers_backend.py",
      "the transformers backend needs a decoder with `.layers` "),

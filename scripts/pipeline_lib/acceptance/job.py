@@ -21,7 +21,8 @@ from .inputs import MeasureSpec, answer_room, load_eval_prompts
 DEFAULTS = {"backend": "vllm", "num_speculative_tokens": 3, "num_prompts": None, "max_tokens": 256,
             "dtype": "float32", "concurrency_one_prompts": 8, "untrained_prompts": None, "reasoning_parser": None,
             "chat_template_kwargs": {}, "trust_remote_code": False, "suites": [], "degenerate": {},
-            "batch_size": 64, "speedup_rounds": 3, "speedup_batch_prompts": 16, "speedup_tolerance": 0.25}
+            "batch_size": 64, "speedup_rounds": 3, "speedup_batch_prompts": 16, "speedup_tolerance": 0.25,
+            "speedup_engines": "auto"}
 # The settings the run without speculation depends on (with the target, the eval prompt and
 # suite files): which prompts (num_prompts, suites, chat_template_kwargs, and the context room
 # for the answer, max_tokens + num_speculative_tokens, that decides which long prompts are
@@ -33,7 +34,7 @@ BASELINE_KEYS = ("backend", "num_speculative_tokens", "num_prompts", "max_tokens
                  "batch_size", "chat_template_kwargs", "trust_remote_code", "suites")
 
 # What only the acceptance job's speedup rounds read (speedup.py), from config.yaml `verify`.
-SPEEDUP_KEYS = ("speedup_rounds", "speedup_batch_prompts", "speedup_tolerance")
+SPEEDUP_KEYS = ("speedup_rounds", "speedup_batch_prompts", "speedup_tolerance", "speedup_engines")
 
 
 def with_speedup_settings(settings_json: str, verify: dict) -> str:
@@ -156,5 +157,6 @@ def measure_spec(args, settings: dict, tokenizer, draft: str = "", untrained: st
         eos_token_ids=eos_token_ids(Path(args.target), tokenizer),
         context_limit=context_limit, batch_size=settings["batch_size"],
         speedup_rounds=settings["speedup_rounds"], speedup_batch_prompts=settings["speedup_batch_prompts"],
+        speedup_engines=settings["speedup_engines"],
         trust_remote_code=settings["trust_remote_code"])
     return spec, skipped, suite_by_id

@@ -15,6 +15,9 @@ or into "not measured" with the reason:
 - a ratio above the draft's mean acceptance length tau is impossible (a draft emits at most
   tau tokens per target forward and adds work of its own): the timings are wrong.
 
+The two arms' engines are up together (each on 0.45 of the GPU memory) or in turn, one at a time
+on all the job's GPUs, for a target spread over more than one GPU: `engines_in_turn`.
+
 EAGLE3_SPEEDUP_TEST_LOAD=<round>:<arm> (tests only) runs busy processes, one per core, while
 that arm of that round runs: a real load change the decision must catch."""
 from __future__ import annotations
@@ -45,6 +48,18 @@ def t975(df: int) -> float:
         return _T975[df - 1]
     z = 1.959964
     return z + (z ** 3 + z) / (4 * df)
+
+
+ENGINE_LAYOUTS = ("auto", "together", "in_turn")
+
+
+def engines_in_turn(setting: str, ranks: int) -> bool:
+    """verify.speedup_engines: whether the two engines run one at a time. auto: where the target
+    is spread over more than one device (ranks = tensor x pipeline parallel), since two engines
+    that each need the whole node cannot be up at once."""
+    if setting not in ENGINE_LAYOUTS:
+        raise ValueError(f"verify.speedup_engines = {setting!r}: use one of {', '.join(ENGINE_LAYOUTS)}")
+    return setting == "in_turn" or (setting == "auto" and ranks > 1)
 
 
 def decide(rounds: list[dict[str, float]], tau: float | None, tolerance: float) -> dict[str, Any]:
@@ -97,13 +112,15 @@ def _test_load(round_no: int, arm: str, log: Callable[[str], None]):
             proc.wait()
 
 
-def run_rounds(arms: dict[str, Callable[[], dict]], rounds: int, log: Callable[[str], None]) -> list[dict]:
+def run_rounds(arms: dict[str, Callable[[], dict]], rounds: int, log: Callable[[str], None],
+               warm_up: bool = True) -> list[dict]:
     """arms: ARMS -> a function that decodes the round's prompts and returns {setting:
     {"output_tokens", "wall_s"}} (a setting it does not measure is absent). Returns one
     {arm: that dict} per round. An untimed round comes first: an engine's first pass over a
     batch shape is slower (seen on a 2-core CPU machine, tiny target, vLLM: 590 vs 1,400 tokens/s at the
-    batch, 80 vs 200 at concurrency 1), which would fall on round 1 alone."""
-    for arm in ARMS:
+    batch, 80 vs 200 at concurrency 1), which would fall on round 1 alone. warm_up=False: arms
+    that warm each engine up themselves (engines in turn)."""
+    for arm in ARMS if warm_up else ():
         arms[arm]()
     out = []
     for i in range(1, rounds + 1):

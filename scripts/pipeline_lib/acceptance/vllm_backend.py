@@ -5,9 +5,10 @@ job) runs in a child process, one engine at a time (each shut down before the ne
 vLLM's own error message captured if it cannot load the draft). Where the engine runs in that
 process (CPU) one child runs the trained and the untrained draft in turn, so vLLM is imported
 once. The speedup rounds need the target alone and the target with the trained draft in turn:
-two children that stay up (started one after the other, then used in turn, never at once: on a
-few cores two engines decoding together would time each other), each decoding a round's
-prompts when asked. Global numbers come from vLLM's spec-decode metrics (`llm.get_metrics()`);
+two children that stay up (started one after the other, then used in turn, never decoding at
+once: two engines decoding together would time each other), each decoding a round's prompts
+when asked; for a target spread over several GPUs, one child at a time on all of them
+(speedup.engines_in_turn). Global numbers come from vLLM's spec-decode metrics (`llm.get_metrics()`);
 per-request numbers (categories, reasoning/answer spans) from vLLM's per-request detailed
 metrics, which list the accepted count of every verify step."""
 from __future__ import annotations
@@ -21,12 +22,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..draft_types import speculative_config_for
 from .inputs import EvalPrompt, MeasureSpec, answer_room
 from .records import BackendFailure, RequestRecord, RunResult, acceptance_block, register
-from .speedup import run_rounds
+from ..parallel import decide
+from .speedup import engines_in_turn, run_rounds
 
 # Lines vLLM prints around a failed start that only point elsewhere ("see root cause above").
 _WRAPPER_ERRORS = ("Engine core initialization failed", "WorkerProc initialization failed",
@@ -47,7 +49,7 @@ def vllm_root_cause(lines: list[str]) -> str | None:
 
 
 def _engine_job(spec: MeasureSpec, draft: str | None, prompts: list[EvalPrompt],
-                serve: bool = False) -> dict[str, Any]:
+                serve: bool = False, in_turn: bool = False) -> dict[str, Any]:
     longest = max(len(p.token_ids) for p in spec.prompts)
     # Room for the longest prompt and its answer; small = small KV cache.
     max_model_len = longest + answer_room(spec.max_tokens, spec.num_speculative_tokens)
@@ -60,8 +62,9 @@ def _engine_job(spec: MeasureSpec, draft: str | None, prompts: list[EvalPrompt],
         "max_model_len": max_model_len,
         "prompts": [p.token_ids for p in prompts],
         # Speedup rounds: the engine stays up and decodes a round (batch, then one prompt at a
-        # time) each time it is asked; two such engines are up at once, so each takes half a GPU.
-        "serve": {"batch": len(spec.speedup_batch), "concurrency_one": len(spec.concurrency_one)} if serve else None,
+        # time) each time it is asked; where two such engines are up at once, each takes half the memory.
+        "serve": {"batch": len(spec.speedup_batch), "concurrency_one": len(spec.concurrency_one),
+                  "together": not in_turn} if serve else None,
     }
 
 
@@ -120,6 +123,7 @@ def _engine_runs(spec: MeasureSpec, engine_script: str,
     engine is a process of its own (GPU), a child each, so each starts on a clean device."""
     from ..runtime import vllm_engine_in_process
 
+    decide().apply()  # the children's layout (they decide alike), here for this job's provenance
     jobs = [(run, _engine_job(spec, draft, prompts)) for run, draft, prompts in runs]
     groups = [jobs] if vllm_engine_in_process() else [[job] for job in jobs]  # decided here; children inherit it
     results = [res for group in groups for res in _run_engine_child(engine_script, group)]
@@ -160,8 +164,8 @@ class _ServedEngine:
     is up and warm; round() asks it for one round and waits for the result file."""
 
     def __init__(self, script: str, job: dict, run: str, spec: MeasureSpec, tmp: Path):
-        self.run, self.spec, self.dir = run, spec, tmp / run
-        self.dir.mkdir()
+        self.run, self.spec = run, spec
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{run}-", dir=tmp))  # an arm started again gets a new one
         job = {**job, "ready_file": str(self.dir / "ready.json")}
         (self.dir / "job.json").write_text(json.dumps(job))
         self.log_path = self.dir / "engine.log"
@@ -219,26 +223,67 @@ def _rss_mb(pid: int) -> float | None:
         return None
 
 
+class _EnginesInTurn:
+    """One engine up at a time, on all the job's GPUs: asked for the other arm, it stops the one
+    that is up and starts the other, warmed up by an untimed round. Rounds alternate their order
+    (without, with; with, without; ...), so the arm that ends a round begins the next on the same
+    engine: rounds + 1 starts, not 2 x rounds."""
+
+    def __init__(self, start: Callable[[str], _ServedEngine]):
+        self.start, self.up = start, None
+        self.starts: list[dict] = []
+
+    def arm(self, run: str) -> Callable[[], dict]:
+        return lambda: self.round(run)
+
+    def round(self, run: str) -> dict:
+        if self.up is None or self.up.run != run:
+            self.close()
+            self.up = self.start(run)
+            self.starts.append({"arm": run, "engine_start_s": self.up.ready["engine_start_s"]})
+            self.up.round()  # untimed: an engine's first pass over a batch shape is slower (run_rounds)
+        return self.up.round()
+
+    def close(self) -> None:
+        if self.up is not None:
+            self.up.close()
+            self.up = None
+
+
 @register("vllm", "speedup")
 def measure_vllm_speedup(spec: MeasureSpec, engine_script: str) -> tuple[list[dict], dict]:
-    """Interleaved rounds: the target alone and the target with the trained draft, each engine
-    started once and kept up; per round and arm, the batch and the concurrency-1 timings (and,
-    with the draft, its accepted / drafted counts: the tau bound of those prompts)."""
+    """Interleaved rounds: the target alone and the target with the trained draft; per round and
+    arm, the batch and the concurrency-1 timings (and, with the draft, its accepted / drafted
+    counts: the tau bound of those prompts). Both engines started once and kept up, or, for a
+    target over several GPUs, one at a time (_EnginesInTurn)."""
+    in_turn = engines_in_turn(spec.speedup_engines, decide().ranks)
+    drafts = {"without_draft": None, "with_draft": spec.draft}
+    prompts = spec.prompts[: max(len(spec.speedup_batch), len(spec.concurrency_one))]
     with tempfile.TemporaryDirectory(prefix="speedup-") as tmp:
-        engines: dict[str, _ServedEngine] = {}
+        def start(arm: str) -> _ServedEngine:
+            return _ServedEngine(engine_script, _engine_job(spec, drafts[arm], prompts, serve=True, in_turn=in_turn),
+                                 arm, spec, Path(tmp))
+
+        if in_turn:
+            engines = _EnginesInTurn(start)
+            try:
+                rounds = run_rounds({arm: engines.arm(arm) for arm in drafts}, spec.speedup_rounds, spec.log,
+                                    warm_up=False)
+            finally:
+                engines.close()
+            return rounds, {"engines": "in_turn", "starts": engines.starts}
+        served: dict[str, _ServedEngine] = {}
         try:
-            for arm, draft in (("without_draft", None), ("with_draft", spec.draft)):
-                prompts = spec.prompts[: max(len(spec.speedup_batch), len(spec.concurrency_one))]
-                engines[arm] = _ServedEngine(engine_script, _engine_job(spec, draft, prompts, serve=True), arm, spec,
-                                             Path(tmp))
+            for arm in drafts:
+                served[arm] = start(arm)
             cost = {arm: {"engine_start_s": e.ready["engine_start_s"], "rss_mb": _rss_mb(e.proc.pid)}
-                    for arm, e in engines.items()}
+                    for arm, e in served.items()}
             spec.log(f"[speedup] both engines up: {cost}")
-            rounds = run_rounds({arm: e.round for arm, e in engines.items()}, spec.speedup_rounds, spec.log)
+            rounds = run_rounds({arm: e.round for arm, e in served.items()}, spec.speedup_rounds, spec.log)
         finally:
-            for e in engines.values():
+            for e in served.values():
                 e.close()
-    return rounds, cost
+    return rounds, {"engines": "together", **cost}
 
 
 def _metric_snapshot(llm) -> dict[str, Any]:
@@ -314,9 +359,10 @@ def _shut_down_engines() -> None:
 def run_engine_job(job: dict) -> dict:
     """Inside the child: start vLLM once, warm it up, then time the batch run (all prompts at
     once) and the concurrency-1 run (one prompt at a time). Imports vLLM; caller guards main."""
-    from ..runtime import has_cuda, vllm_engine_in_process
+    from ..runtime import vllm_engine_in_process
 
     vllm_engine_in_process()  # the parent's choice, inherited; decides only when run by hand
+    layout = decide().apply()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -325,14 +371,14 @@ def run_engine_job(job: dict) -> dict:
         max_model_len=job["max_model_len"], disable_log_stats=False,
         trust_remote_code=job["trust_remote_code"],
         # CPU: eager starts in ~15 s instead of ~60 s; GPU: CUDA graphs, as in production.
-        enforce_eager=not has_cuda())
+        enforce_eager=not layout.gpus, **layout.engine_kwargs())
     if job["draft"]:
         # The method the draft's own type runs as (eagle3, P-EAGLE's parallel eagle3, dflash, ...).
         kwargs["speculative_config"] = speculative_config_for(job["draft"], job["num_speculative_tokens"])
         if _engine_accepts("per_request_spec_decode_metrics"):  # not in vLLM 0.26: global counters only
             kwargs["per_request_spec_decode_metrics"] = "detailed"
-    if job["serve"] and has_cuda():  # the speedup's two engines share the GPU: each its half (vLLM's default 0.9)
-        kwargs["gpu_memory_utilization"] = 0.45
+    if job["serve"] and job["serve"]["together"] and layout.gpus:  # two engines share the GPUs: each its half
+        kwargs["gpu_memory_utilization"] = 0.45  # (vLLM's default 0.9)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0

@@ -124,17 +124,6 @@ def measure_arm(arm: Arm, server_args: dict, s: dict, data: dict[str, Path], tok
         print(f"{log_prefix} {arm.tag}: server failed: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
 
 
-def tensor_parallel_args(on_gpu: bool) -> list[str]:
-    """The target over every GPU the job was given (resources.forecast.gpu; run_on_gpus.py sets
-    CUDA_VISIBLE_DEVICES), as it is served: a target that needs 8 GPUs is forecast on 8."""
-    if not on_gpu:
-        return []
-    import torch
-
-    n = torch.cuda.device_count()
-    return ["--tensor-parallel-size", str(n)] if n > 1 else []
-
-
 def flag_impossible(points: list[dict]) -> None:
     """A speedup above the tau counted (5% margin) is impossible for a draft: each verify step
     emits at most the accepted tokens plus one. Such a point is not measured. The speedup is the

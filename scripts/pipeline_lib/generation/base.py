@@ -299,16 +299,6 @@ def prompt_error_types(*extra: type) -> tuple[type, ...]:
     return (ValueError, TypeError, KeyError, TemplateError, *extra)
 
 
-def visible_gpu_count() -> int:
-    from ..runtime import has_cuda
-
-    if not has_cuda():
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
-
-
 # The one place that maps `generation.backend` to an implementation: each backend module
 # registers its class here when the package is imported.
 BACKENDS: dict[str, type[Backend]] = {}

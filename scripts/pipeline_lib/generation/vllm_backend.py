@@ -6,7 +6,7 @@ from collections import deque
 from typing import Any, Iterator
 
 from .base import (ERROR_INVALID, ERROR_TRANSIENT, Backend, BackendUnavailable, Completion, PromptRequest,
-                   log_traceback, prompt_error_types, register, visible_gpu_count)
+                   log_traceback, prompt_error_types, register)
 
 
 @register("vllm")
@@ -17,21 +17,22 @@ class VllmBackend(Backend):
     prompts are in flight, and a request past request_timeout_s is aborted."""
 
     def start(self) -> None:
+        from ..parallel import decide
         from ..runtime import vllm_engine_in_process
 
         self.in_process = in_process = vllm_engine_in_process()
         from vllm import LLM, SamplingParams
 
         s = self.settings
-        gpus = visible_gpu_count()
+        self.parallel = layout = decide().apply()
         # CUDA graphs pay off over a long decode on GPU; on CPU eager mode starts 3x faster.
-        eager = gpus == 0
-        self.log(f"[vllm] loading {self.target} (dtype {self.dtype}, {gpus or 'no'} GPU(s), "
+        eager = layout.gpus == 0
+        self.log(f"[vllm] loading {self.target} (dtype {self.dtype}, {layout.provenance()}, "
                  f"{'eager' if eager else 'CUDA graphs'}, engine {'in this process' if in_process else 'in a process of its own'})")
         try:
             self.llm = LLM(model=str(self.target), tokenizer=str(self.target), dtype=self.dtype,
                            enforce_eager=eager, seed=s.seed, trust_remote_code=s.trust_remote_code,
-                           tensor_parallel_size=max(gpus, 1))
+                           **layout.engine_kwargs())
         except Exception as err:
             log_traceback(self.log)
             raise BackendUnavailable(f"vLLM could not load the target {self.target}: {type(err).__name__}: "
@@ -52,7 +53,7 @@ class VllmBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "model": str(self.target), "dtype": self.dtype,
-                "engine_in_process": self.in_process}  # describe() comes after start()
+                "engine_in_process": self.in_process, "parallel": self.parallel.provenance()}  # describe() comes after start()
 
     def generate(self, requests: list[PromptRequest]) -> Iterator[Completion]:
         s = self.settings

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import PipelineError
+from ..parallel import Parallel, decide
 from ..processes import parent_death_hook
 from .formats import inspect_tensors
 from .store import SCRIPTS_DIR, LayerSpec
@@ -153,6 +154,11 @@ class HiddenStatesServer:
         return bool(self.settings.devices)
 
     @property
+    def parallel(self) -> Parallel:
+        """The server's devices only (split_devices), not the whole training job's."""
+        return decide(gpus=len(self.settings.devices))
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
@@ -172,7 +178,7 @@ class HiddenStatesServer:
                # One prefill per request: graph capture costs more than it saves, and a
                # prefix-cache hit would skip the very layers the request is for.
                "--enforce-eager", "--no-enable-prefix-caching",
-               "--tensor-parallel-size", str(max(1, len(self.settings.devices))),
+               *self.parallel.serve_args(),
                "--speculative-config", json.dumps(self.speculative_config()),
                "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
                "--disable-uvicorn-access-log"]
@@ -187,6 +193,7 @@ class HiddenStatesServer:
         if str(SCRIPTS_DIR) not in paths:
             env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS_DIR), *paths])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(self.settings.devices)
+        env.update(self.parallel.cpu_environment())
         return env
 
     # ------------------------------------------------------------------------ life cycle

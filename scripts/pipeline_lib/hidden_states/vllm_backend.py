@@ -26,14 +26,16 @@ class VllmBackend:
     TOKENS_PER_CALL = 65536
 
     def __init__(self, target_dir: str | Path, spec: LayerSpec, settings: dict[str, Any], max_len: int):
-        from ..runtime import has_cuda, vllm_engine_in_process
+        from ..parallel import decide
+        from ..runtime import vllm_engine_in_process
 
         if spec.max_positions and max_len + 1 > spec.max_positions:
             raise PipelineError(
                 f"the longest tokenized row has {max_len} tokens; vLLM needs one position more but the "
                 f"target allows {spec.max_positions}; lower tokenize.max_seq_len or use "
                 f"hidden_states.backend: transformers")
-        cuda = has_cuda()
+        self.parallel = layout = decide().apply()
+        cuda = layout.gpus > 0
         self.in_process = vllm_engine_in_process()
         # The connector runs where the engine's worker runs (a spawned process on GPU); it must import it.
         path = os.environ.get("PYTHONPATH", "")
@@ -51,7 +53,7 @@ class VllmBackend:
             enforce_eager=True,  # prefill only: graph capture would cost more than it saves
             enable_prefix_caching=False,  # every row's hidden states computed by its own request
             trust_remote_code=bool(settings.get("trust_remote_code", False)),
-            tensor_parallel_size=max(1, _cuda_device_count()) if cuda else 1,
+            **layout.engine_kwargs(),
             disable_log_stats=True,
             speculative_config={
                 "method": "extract_hidden_states",
@@ -145,10 +147,3 @@ def _recast(path: Path, dtype) -> None:
     tensors = load(path.read_bytes())
     tensors["hidden_states"] = tensors["hidden_states"].to(dtype)
     path.write_bytes(save(tensors))
-
-
-def _cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
