@@ -526,6 +526,10 @@ def test_slurm_allocated_every_job_the_gpus_partition_and_cpus_its_config_and_pr
     profile = yaml.safe_load((runs.profile / "config.yaml").read_text())
     entries, default_partition = profile["set-resources"], profile["default-resources"]["slurm_partition"]
     assert default_partition == PARTITION
+    # The profile leaves GPUs and CPUs to the config (its step 2), so those are the config's.
+    sized = {rule: sorted({"gpu", "gres", "threads", "cpus_per_task", "cpus_per_gpu"} & set(entry or {}))
+             for rule, entry in entries.items()}
+    assert not any(sized.values()), f"profiles/slurm sets GPUs or CPUs per rule: {sized}"
     asked = rule_resources(runs.slurm_config, runs.slurm_dir)
     jobs = slurm_job_rules(runs.upstream.check()) | slurm_job_rules(runs.pipeline.check())
     allocated = sacct_allocations(list(jobs))
