@@ -3,8 +3,9 @@
 Debian's slurmctld/slurmd (22.05) and munge, with accounting (slurmdbd on a private MariaDB,
 so `sacct` answers as on a production cluster), started by hand as root (no init system), each
 in the foreground as a child of the test process, so it is stopped by its own pid. The node
-advertises two fake GPUs (character-device clones of /dev/null), enough for SLURM to hand out
-gres/gpu and set CUDA_VISIBLE_DEVICES. Facts behind each choice: shared notes, slurm-local.md.
+advertises NUM_GPUS fake GPUs (character-device clones of /dev/null), enough for SLURM to hand
+out gres/gpu and set CUDA_VISIBLE_DEVICES, and sits in two partitions: the default one for CPU
+jobs and a GPU one, so that sacct shows which partition the profile sent each job to. Facts behind each choice: shared notes, slurm-local.md.
 
 It needs root and SLURM's binaries: where either is missing, the tests that use it are skipped
 before it starts, each with the reason, and the end of `make test` names them with the command
@@ -41,7 +42,8 @@ BINARIES = ("munge", "unmunge", "munged", "mariadbd", "mariadb-install-db", "mar
 INSTALL_HINT = ("run `make slurm` as root (CI's .ci/run does) to install slurmctld, slurmd, "
                 "slurmdbd, slurm-client, munge and mariadb-server")
 
-PARTITION = "pipelinetest"
+PARTITION = "pipelinetest"   # the default one: CPU rules (the profile's default-resources)
+GPU_PARTITION = "gpu"        # the rules the profile's set-resources route to a GPU partition
 ACCOUNT = "pipeline-test"
 NUM_GPUS = 8          # fake: enough for the tests' GPU jobs to all run at once (the throwaway workflow takes 4, a pipeline GPU job 1)
 NODE_CPUS = 16         # more than the 2 real cores (config_overrides): every job of the runs can start at once
@@ -144,11 +146,15 @@ class SlurmCluster:
             "ReturnToService=2",
             f"MinJobAge={MIN_JOB_AGE_S}",
             "GresTypes=gpu",
+            # sacct's AllocTRES then counts each job's GPUs (22.05 tracks cpu/mem/node only by default).
+            "AccountingStorageTRES=gres/gpu",
             f"Licenses={LICENSE}:{LICENSE_COUNT}",
             "SlurmdParameters=config_overrides",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEM_MB} "
             f"Gres=gpu:{NUM_GPUS} State=UNKNOWN",
             f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            # The same node: sacct's Partition then shows where the profile sent each job.
+            f"PartitionName={GPU_PARTITION} Nodes={self.node} Default=NO MaxTime=INFINITE State=UP",
             "",
         ])
 
@@ -388,17 +394,21 @@ def slurm_cluster():
 
 
 def make_test_profile(source: Path, dest: Path, licensed: tuple[str, ...] = (), **overrides) -> Path:
-    """A copy of a SLURM profile with this cluster's partition/account and quick status checks.
+    """A copy of a SLURM profile with this cluster's partitions/account and quick status checks.
 
-    Every other key is kept as the user would get it, the status command (`sacct`, which this
+    The placeholders map to this cluster's names: the default partition's (wherever it appears)
+    to PARTITION, every other partition a set-resources entry names to GPU_PARTITION. Every other key is kept as the user would get it, the status command (`sacct`, which this
     cluster's slurmdbd answers) included unless `overrides` names another. Jobs of the rules in
     `licensed` ask for one of the cluster's LICENSE_COUNT LICENSEs."""
     profile = yaml.safe_load((source / "config.yaml").read_text())
+    default_partition = profile["default-resources"].get("slurm_partition")
     profile["default-resources"].update({"slurm_partition": PARTITION, "slurm_account": ACCOUNT,
                                          "mem_mb": 1000, "runtime": 10})
     for rule_resources in (profile.get("set-resources") or {}).values():
         if "slurm_partition" in rule_resources:
-            rule_resources["slurm_partition"] = PARTITION
+            # An entry that names the default partition stays on it (and a GPU job there fails the test).
+            rule_resources["slurm_partition"] = (PARTITION if rule_resources["slurm_partition"] == default_partition
+                                                 else GPU_PARTITION)
     for rule in licensed:
         profile.setdefault("set-resources", {}).setdefault(rule, {})["slurm_extra"] = f"--licenses={LICENSE}"
     profile.update({

@@ -42,7 +42,8 @@ import pytest
 from conftest import PY, REPO, write_config
 from pipeline_lib.digests import path_digest
 from pipeline_lib import dtypes  # noqa: E402
-from slurm_cluster import NUM_GPUS, PARTITION, BoundedRun, make_test_profile, run, slurm_cluster  # noqa: F401
+from slurm_cluster import (GPU_PARTITION, NUM_GPUS, PARTITION, BoundedRun, make_test_profile, run,  # noqa: F401
+                           slurm_cluster)
 
 RUN_TIMEOUT_S = 900
 # The only rules that may run on the submitting host: the `localrules` of rules/common.smk.
@@ -52,6 +53,11 @@ LOCAL_RULES = {"all", "traces_gather", "hidden_states_gather", "compare_variants
 # a CUDA device, and SLURM's fake GPUs are /dev/null clones).
 GPU_RULES = {"traces_shard", "hidden_states_shard", "load_check", "acceptance_baseline", "acceptance"}
 GPU_RESOURCES = {"traces": {"gpu": 1}, "hidden_states": {"gpu": 1}, "verify": {"gpu": 1}}
+# CPUs as a user's config gives them: a GPU stage's threads from cpus_per_gpu (pipeline_lib/
+# resources.py), the CPU rules' from the default's threads. They differ, so sacct's AllocCPUS
+# tells the two apart; one thread a GPU job keeps the vLLM stages' OpenMP threads as the local
+# run's (their bytes are compared), the default's 2 reach only target and tokenize.
+DEFAULT_RESOURCES = {"threads": 2, "cpus_per_gpu": 1}
 # The chain's two halves: the rules the upstream run sends to SLURM (up to --until), and the
 # results/<run>/ folders they make, which seed the downstream run.
 UPSTREAM_RULES = {"target", "prompts_train", "prompts_eval", "eval_suite", "traces_shard", "tokenize"}
@@ -126,6 +132,8 @@ class Runs:
     upstream: BoundedRun
     upstream_results: Path
     slurm_dir: Path
+    slurm_config: Path
+    profile: Path
     pipeline: BoundedRun      # the downstream half
     results: Path
     local_results: Path
@@ -228,9 +236,13 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
     (gpu_dir / "Snakefile").write_text(GPU_SNAKEFILE.format(wrapper=str(REPO / "scripts" / "run_on_gpus.py"),
                                                             recorder=str(gpu_dir / "recorder.py")))
     config = copy.deepcopy(e2e.config)
-    # The e2e run's one thread per stage, plus a GPU for each GPU stage.
+    # The e2e run's one thread per stage, except: a GPU for each GPU stage, with its CPUs from
+    # cpus_per_gpu (its own threads dropped), and the default's CPUs (DEFAULT_RESOURCES).
     config["resources"] = {stage: {**config["resources"].get(stage, {}), **GPU_RESOURCES.get(stage, {})}
                            for stage in config["resources"].keys() | GPU_RESOURCES.keys()}
+    for stage in GPU_RESOURCES:
+        config["resources"][stage].pop("threads", None)
+    config["resources"]["default"] = {**config["resources"].get("default", {}), **DEFAULT_RESOURCES}
     # Those "GPU" stages run on this machine's CPUs: pin each dtype to what the local run resolved
     # (auto would give a stage that asks for a GPU bfloat16), so that both runs compute alike.
     for section, entry in dtypes.resolution(copy.deepcopy(e2e.config)).items():
@@ -274,7 +286,7 @@ def runs(slurm_cluster, e2e, tmp_path_factory):
         upstream.check()
         pipeline.check()
         yield Runs(gpu_dir, gpu, upstream, upstream_dir / "results" / config["run_name"],
-                   slurm_dir, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
+                   slurm_dir, slurm_cfg, profile, pipeline, slurm_dir / "results" / config["run_name"], e2e.results,
                    preemption.results, preemption.first, preemption.second, preemption.job, preemption.saved)
     finally:
         for r in started:  # when a wait was cut short: nothing keeps running
@@ -470,17 +482,79 @@ def test_the_pipeline_polled_sacct_and_accounting_has_every_job(runs):
     assert set(STATUS_CYCLE.findall(runs.gpu.check())) == {"squeue"}
 
 
-def gpu_rules() -> set[str]:
-    """The rules that declare a `gpu` resource (rules/*.smk: gpu=res(<stage>, "gpu")), as
-    Snakemake itself parses the workflow: every rule a config can give GPUs."""
+def rule_resources(configfile: Path = REPO / "config.yaml", workdir: Path = REPO) -> dict[str, dict]:
+    """{rule: {"threads": N, "gpu": N (rules that declare one)}} as Snakemake itself parses the
+    workflow with this config: what each rule's jobs ask for before any profile applies."""
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
 
     with SnakemakeApi(OutputSettings()) as api:
         workflow = api.workflow(resource_settings=ResourceSettings(), storage_settings=StorageSettings(),
-                                config_settings=ConfigSettings(configfiles=[REPO / "config.yaml"]),
-                                snakefile=REPO / "Snakefile", workdir=REPO)
-        return {rule.name for rule in workflow._workflow.rules if "gpu" in rule.resources}
+                                config_settings=ConfigSettings(configfiles=[configfile]),
+                                snakefile=REPO / "Snakefile", workdir=workdir)
+        return {rule.name: {"threads": rule.resources["_cores"].value,
+                            **({"gpu": rule.resources["gpu"].value} if "gpu" in rule.resources else {})}
+                for rule in workflow._workflow.rules}
+
+
+def gpu_rules() -> set[str]:
+    """The rules that declare a `gpu` resource (rules/*.smk: gpu=res(<stage>, "gpu")): every
+    rule a config can give GPUs."""
+    return {rule for rule, res in rule_resources().items() if "gpu" in res}
+
+
+def sacct_allocations(job_ids: list[str]) -> dict[str, dict]:
+    """{job id: {"partition", "gpus", "cpus", "state"}} from SLURM's accounting (sacct, slurmdbd):
+    what SLURM allocated, not what was asked."""
+    out = run(["sacct", "-X", "--parsable2", "--noheader", "--format=JobIdRaw,Partition,AllocTRES,AllocCPUS,State",
+               "-j", ",".join(job_ids)]).stdout
+    jobs = {}
+    for line in out.splitlines():
+        jid, partition, tres, cpus, state = line.split("|")
+        tres = dict(item.split("=", 1) for item in tres.split(",") if "=" in item)
+        jobs[jid] = {"partition": partition, "gpus": int(tres.get("gres/gpu", 0)), "cpus": int(cpus), "state": state}
+    return jobs
+
+
+def test_slurm_allocated_every_job_the_gpus_partition_and_cpus_its_config_and_profile_say(runs):
+    """Per submitted job, sacct's record against the config (as Snakemake parses it: gpu, and
+    threads, which cpus_per_gpu sets for a GPU stage) and the profile (set-resources' partition
+    for the rule, else default-resources'). GPU jobs must land on the GPU partition, so a
+    profile entry that sends a GPU rule to the default partition fails here too."""
+    import yaml
+
+    profile = yaml.safe_load((runs.profile / "config.yaml").read_text())
+    entries, default_partition = profile["set-resources"], profile["default-resources"]["slurm_partition"]
+    assert default_partition == PARTITION
+    # The profile leaves GPUs and CPUs to the config (its step 2), so those are the config's.
+    sized = {rule: sorted({"gpu", "gres", "threads", "cpus_per_task", "cpus_per_gpu"} & set(entry or {}))
+             for rule, entry in entries.items()}
+    assert not any(sized.values()), f"profiles/slurm sets GPUs or CPUs per rule: {sized}"
+    asked = rule_resources(runs.slurm_config, runs.slurm_dir)
+    jobs = slurm_job_rules(runs.upstream.check()) | slurm_job_rules(runs.pipeline.check())
+    allocated = sacct_allocations(list(jobs))
+    assert sorted(allocated) == sorted(jobs), f"sacct knows {sorted(allocated)} of the submitted jobs {sorted(jobs)}"
+    wrong, seen = [], {}
+    for sid, rule in sorted(jobs.items(), key=lambda item: int(item[0])):
+        got = allocated[sid]
+        want = {"partition": (entries.get(rule) or {}).get("slurm_partition", default_partition),
+                "gpus": asked[rule].get("gpu", 0), "cpus": asked[rule]["threads"], "state": "COMPLETED"}
+        seen[rule] = got
+        if got != want:
+            wrong.append(f"{rule} (job {sid}): SLURM allocated {got}, the config and profile say {want}")
+        if got["gpus"] and got["partition"] != GPU_PARTITION:
+            wrong.append(f"{rule} (job {sid}) got {got['gpus']} GPU(s) on partition {got['partition']!r}, "
+                         f"not the GPU partition {GPU_PARTITION!r}: its profile entry is missing or wrong")
+    print("\nsacct per rule (partition, GPUs, CPUs): " + ", ".join(
+        f"{r} {g['partition']}/{g['gpus']}/{g['cpus']}" for r, g in sorted(seen.items())), file=sys.stderr)
+    assert not wrong, "\n".join(wrong)
+    # Not vacuous: every GPU rule of the chain got a GPU on the GPU partition with the CPUs
+    # cpus_per_gpu gives it, which differ from the CPU rules' (the default's threads).
+    gpu_cpus = {seen[r]["cpus"] for r in GPU_RULES}
+    assert {r for r in GPU_RULES if seen[r]["gpus"] == 1 and seen[r]["partition"] == GPU_PARTITION} == GPU_RULES, seen
+    assert gpu_cpus == {GPU_RESOURCES["traces"]["gpu"] * DEFAULT_RESOURCES["cpus_per_gpu"]}, seen
+    assert {seen[r]["cpus"] for r in ("target", "tokenize")} == {DEFAULT_RESOURCES["threads"]} != gpu_cpus, seen
+    assert seen["target"]["partition"] == PARTITION and seen["target"]["gpus"] == 0, seen
 
 
 def test_the_cluster_profile_routes_every_gpu_rule():
