@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import forecast_speedup  # noqa: E402  (the stage's settings and prompt reader)
 from pipeline_lib import draft_types, parallel, runtime  # noqa: E402
 from pipeline_lib.forecast import curve, load  # noqa: E402
-from pipeline_lib.forecast.arms import (FIXED, NATURAL, Arm, draft_dir, flag_impossible,  # noqa: E402
-                                        measure_arm)
+from pipeline_lib.forecast.arms import (ACCEPTANCE_PROFILES, FIXED, NATURAL, Arm, draft_dir,  # noqa: E402
+                                        flag_impossible, measure_arm, synthetic_rates)
 from pipeline_lib.io import atomic_write_json, atomic_write_text  # noqa: E402
 from pipeline_lib.provenance import accelerator  # noqa: E402
 
@@ -57,8 +57,6 @@ ERROR_LIMIT = 0.15  # the issue's bar: a forecast within 15% of the trained draf
 REFERENCE = ("target", "trained")
 FORECAST_ARMS = ("forecast-dummy", "forecast-real", "forecast-rates", "trained-synthetic")
 ALL_ARMS = ("target", "trained", "dummy-target") + FORECAST_ARMS
-BASE_OF = {"forecast-dummy": "dummy-target", "forecast-real": "target", "forecast-rates": "target",
-           "trained-synthetic": "target", "trained": "target"}
 
 
 def parse_args():
@@ -74,6 +72,9 @@ def parse_args():
     p.add_argument("--max-tokens", type=int, default=16 if SMOKE else 128)
     p.add_argument("--min-requests", type=int, default=1 if SMOKE else 5)
     p.add_argument("--k", type=int, default=None, help="speculative tokens (default: the draft's own)")
+    p.add_argument("--acceptance-profile", default="geometric", choices=ACCEPTANCE_PROFILES,
+                   help="how the forecast arms accept per position at the trained draft's tau, as the stage's "
+                        "forecast.acceptance_profile (the 2026-12-07 record: scalar, before geometric was the default)")
     p.add_argument("--arms", default=",".join(ALL_ARMS), help=f"which arms, in this order ({', '.join(ALL_ARMS)})")
     return p.parse_args()
 
@@ -140,8 +141,10 @@ def fmt(x, spec="{:.2f}") -> str:
 
 
 def table_md(record: dict) -> str:
-    names = {"forecast-real": "(b) forecast, real weights, scalar tau", "forecast-rates": "(b) forecast, real weights, per-position rates",
-             "forecast-dummy": "(c) forecast, dummy weights (shape table)", "trained-synthetic": "trained draft at its rates (synthetic)"}
+    profile = record.get("acceptance_profile") or "scalar"  # records before the setting: vLLM's scalar schedule
+    names = {"forecast-real": f"(b) forecast, real weights, {profile} profile",
+             "forecast-rates": "(b) forecast, real weights, the draft's per-position rates",
+             "forecast-dummy": f"(c) forecast, dummy weights (shape table), {profile} profile", "trained-synthetic": "trained draft at its rates (synthetic)"}
     head = "| in flight | (a) trained draft, measured | " + " | ".join(f"{names[a]} (error)" for a in FORECAST_ARMS) \
            + " | (a) as served (answers end at EOS) |"
     lines = [head, "|" + "---|" * (len(FORECAST_ARMS) + 3)]
@@ -153,7 +156,7 @@ def table_md(record: dict) -> str:
             cells.append(f"{fmt(r[a])} at tau {fmt(r[f'{a}_tau'])} ({fmt(err, '{:+.0%}')}){mark}" if r[a] is not None else "-")
         lines.append(f"| {r['streams']} | {fmt(r['measured'])} at tau {fmt(r['measured_tau'])} | " + " | ".join(cells)
                      + f" | {fmt(r['measured_natural'])} |")
-    acc = record["accelerator"].get("name") or "CPU"
+    acc = record["accelerator"].get("model") or "CPU"
     text = (f"Speedup = output tok/s with the draft over its own no-draft arm at the same requests in flight; "
             f"{record['settings']['max_tokens']}-token answers (ignore_eos) in every arm unless marked. "
             f"Error = forecast / measured - 1 (** beyond {ERROR_LIMIT:.0%}). {acc}, vLLM {record.get('vllm_version')}; "
@@ -195,7 +198,7 @@ def main() -> int:
     trained_spec = draft_types.speculative_config_for(args.draft, k)
     record = {"settings": s, "target": str(args.target), "draft": str(args.draft), "prompts": len(turns),
               "accelerator": accelerator(), "synthetic": on_gpu, "smoke": SMOKE, "arms": [], "points": [],
-              "tau": None, "rates": None, "arm_order": order,
+              "tau": None, "rates": None, "arm_order": order, "acceptance_profile": args.acceptance_profile,
               "note": None if on_gpu else ("not a check of the forecast: on a CPU vLLM has no synthetic sampler, so the "
                                            "forecast arms ran at their own acceptance and the rates arms were skipped")}
     try:
@@ -214,6 +217,9 @@ def main() -> int:
             random_drafts[with_weights] = draft_types.speculative_config_for(d, k)
         return random_drafts[with_weights]
 
+    def profile_rates(tau: float) -> list[float] | None:
+        return synthetic_rates(tau, k, args.acceptance_profile)
+
     both = [(FIXED, conc)] + ([(NATURAL, natural)] if natural else [])
     fixed = [(FIXED, conc)]
     for name in order:
@@ -230,9 +236,11 @@ def main() -> int:
         elif name == "dummy-target":
             arm = Arm(curve.NO_DRAFT, "dummy-target", load_format="dummy", loads=fixed)
         elif name == "forecast-dummy":
-            arm = Arm(name, name, forecast_draft(False), tau_set=tau if synthetic_ok else None, load_format="dummy", loads=fixed)
+            arm = Arm(name, name, forecast_draft(False), tau_set=tau if synthetic_ok else None,
+                      rates_set=profile_rates(tau) if synthetic_ok else None, load_format="dummy", loads=fixed)
         elif name == "forecast-real":
-            arm = Arm(name, name, forecast_draft(True), tau_set=tau if synthetic_ok else None, loads=fixed)
+            arm = Arm(name, name, forecast_draft(True), tau_set=tau if synthetic_ok else None,
+                      rates_set=profile_rates(tau) if synthetic_ok else None, loads=fixed)
         elif name == "forecast-rates":
             arm = Arm(name, name, forecast_draft(True), rates_set=rates, loads=fixed)
         else:  # trained-synthetic

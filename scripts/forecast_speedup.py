@@ -37,14 +37,16 @@ from pipeline_lib import cli, dtypes, parallel, runtime  # noqa: E402
 from pipeline_lib.errors import PipelineError, run_main  # noqa: E402
 from pipeline_lib.forecast import curve, load  # noqa: E402
 # flag_impossible: the tests call it here
-from pipeline_lib.forecast.arms import NATURAL, Arm, draft_dir, flag_impossible, measure_arm  # noqa: E402,F401
+from pipeline_lib.forecast.arms import (NATURAL, Arm, draft_dir, flag_impossible, measure_arm,  # noqa: E402,F401
+                                        synthetic_rates)
 from pipeline_lib.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
 from pipeline_lib.provenance import Provenance, accelerator  # noqa: E402
 
 DEFAULTS = {"weights": "real", "tau": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "concurrency": [1, 4, 16, 64],
             "seconds": 12.0, "warmup": 0.1, "max_tokens": 128, "min_requests": 8, "max_model_len": 2048,
             "dtype": "auto", "draft_type": "eagle3", "draft_layers": 1, "draft_vocab_size": 32000,
-            "num_speculative_tokens": 3, "speculative_token_counts": None, "aux_layer_ids": None}
+            "num_speculative_tokens": 3, "speculative_token_counts": None, "aux_layer_ids": None,
+            "acceptance_profile": "geometric"}
 
 
 def parse_args():
@@ -102,7 +104,8 @@ def draft_arms(s: dict, specs: dict[int, dict], synthetic: bool, load_format: st
     if not synthetic:
         return [Arm("draft", f"{prefix[k]}draft", spec, k=k, load_format=load_format, loads=loads)
                 for k, spec in specs.items()]
-    return [Arm("draft", f"{prefix[k]}tau-{tau}", spec, k=k, tau_set=tau, load_format=load_format, loads=loads)
+    return [Arm("draft", f"{prefix[k]}tau-{tau}", spec, k=k, tau_set=tau,
+                rates_set=synthetic_rates(tau, k, s["acceptance_profile"]), load_format=load_format, loads=loads)
             for k, spec in specs.items() for tau in s["tau"] if tau <= k + 1]
 
 

@@ -498,3 +498,44 @@ def test_vllm_serve_starts_with_a_written_schedule_and_drafts_by_it(tmp_path, ti
 def test_a_draft_that_pays_only_beyond_max_num_seqs_is_served_without():
     s = schedule.serving_schedule({3: {1: 0.8, 512: 1.2}}, DRAFT_SPEC, max_num_seqs=256)
     assert s["ranges"] is None and s["advice"] == schedule.NO_DRAFT_TEXT  # vLLM refuses k 0 with a schedule
+
+
+def test_the_geometric_profile_gives_each_tau_the_rates_a_trained_draft_has():
+    """forecast.acceptance_profile geometric: one conditional acceptance a at every position,
+    1 + a + ... + a^k = tau. The demo's trained draft on an H100 (2026-12-07 record) counted
+    per-position rates close to that model, far from vLLM's scalar schedule at the same tau."""
+    rec = json.loads((REPO / "bench/results/forecast-check-h100-2026-12-07/forecast_check.json").read_text())
+    tau, measured = rec["tau"], rec["rates"]
+    geometric = forecast_arms.geometric_rates(tau, 3)
+    assert 1 + sum(geometric) == pytest.approx(tau, abs=1e-5)
+    assert geometric == pytest.approx(measured, abs=0.015)
+    assert forecast_arms.synthetic_schedule(tau, 3) != pytest.approx(measured, abs=0.05)
+    assert forecast_arms.geometric_rates(1.0, 3) == [0.0, 0.0, 0.0]
+    assert forecast_arms.geometric_rates(4.0, 3) == pytest.approx([1.0, 1.0, 1.0], abs=1e-6)
+    with pytest.raises(ValueError, match="outside 1..k"):
+        forecast_arms.geometric_rates(4.5, 3)
+    # the stage's synthetic arms ask vLLM for those rates, still labelled by their tau
+    s = forecast_speedup.resolve({"tau": [1.0, 2.5]}, on_gpu=True)
+    assert s["acceptance_profile"] == "geometric"
+    arms = forecast_speedup.draft_arms(s, {3: {"method": "eagle3"}}, True, None, [])
+    assert [a.tau_set for a in arms] == [1.0, 2.5]
+    assert arms[1].server_config()["synthetic_acceptance_rates"] == forecast_arms.geometric_rates(2.5, 3)
+    assert arms[1].expected_tau() == 2.5
+    scalar = forecast_speedup.draft_arms({**s, "acceptance_profile": "scalar"}, {3: {"method": "eagle3"}}, True, None, [])
+    assert scalar[1].server_config()["synthetic_acceptance_length"] == 2.5
+
+
+def test_the_h100_check_of_the_forecast_against_a_trained_draft():
+    """The committed record (bench/results/forecast-check-h100-2026-12-07): the forecast's
+    arms at the trained draft's tau within 15% of its measured speedup at 1, 4 and 16 in
+    flight, and the one figure beyond (dummy weights, scalar schedule, 64 in flight) brought
+    within it by the trained draft's own per-position rates."""
+    rec = json.loads((REPO / "bench/results/forecast-check-h100-2026-12-07/forecast_check.json").read_text())
+    rows = {r["streams"]: r for r in forecast_check.comparison(rec["points"], rec["settings"]["concurrency"])}
+    assert set(rows) == {1, 4, 16, 64}
+    for n, r in rows.items():
+        assert 0.4 < r["measured"] < 0.7  # the demo target's draft at tau 1.36 loses at every load
+        for arm in ("forecast-real", "forecast-rates", "trained-synthetic"):
+            assert abs(r[f"{arm}_error"]) <= 0.15, (n, arm, r[f"{arm}_error"])
+        assert abs(r["forecast-rates_error"]) <= 0.08
+    assert rows[64]["forecast-dummy_error"] > 0.15 >= abs(rows[16]["forecast-dummy_error"])

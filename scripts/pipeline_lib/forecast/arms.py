@@ -46,9 +46,11 @@ class Arm:
         return self.speculative_config
 
     def expected_tau(self) -> float | None:
+        if self.tau_set is not None:
+            return self.tau_set
         if self.rates_set is not None:
             return 1.0 + sum(self.rates_set)
-        return self.tau_set
+        return None
 
 
 def synthetic_schedule(tau: float, k: int) -> list[float]:
@@ -58,6 +60,34 @@ def synthetic_schedule(tau: float, k: int) -> list[float]:
     accepted = tau - 1.0
     full = int(accepted)
     return ([1.0] * full + [accepted - full] + [0.0] * k)[:k]
+
+
+def geometric_rates(tau: float, k: int) -> list[float]:
+    """Per-position (unconditional) rates for a mean acceptance length tau when every position is
+    accepted with the same probability a given the ones before it: rate i = a^(i+1), with
+    1 + a + ... + a^k = tau. How a trained draft accepts: on an H100 (2026-12-07) the demo's draft
+    counted [0.278, 0.067, 0.020] at tau 1.36, a = 0.28 gives [0.28, 0.078, 0.022]; vLLM's scalar
+    schedule gives [0.36, 0, 0] and forecast 4-12% too fast at 16 and 64 in flight
+    (bench/results/forecast-check-h100-2026-12-07)."""
+    if not 1.0 <= tau <= k + 1:
+        raise ValueError(f"tau {tau} outside 1..k + 1 = {k + 1}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection: the sum grows with a
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** i for i in range(1, k + 1)) < tau - 1 else (lo, a)
+    a = (lo + hi) / 2
+    return [round(a ** i, 6) for i in range(1, k + 1)]
+
+
+# forecast.acceptance_profile: how a tau becomes what vLLM's synthetic sampler accepts per position
+ACCEPTANCE_PROFILES = ("geometric", "scalar")
+
+
+def synthetic_rates(tau: float, k: int, profile: str) -> list[float] | None:
+    """The rates to ask vLLM for at tau (None: vLLM's own scalar schedule from tau alone)."""
+    if profile not in ACCEPTANCE_PROFILES:
+        raise ValueError(f"acceptance profile {profile!r}; known: {', '.join(ACCEPTANCE_PROFILES)}")
+    return geometric_rates(tau, k) if profile == "geometric" else None
 
 
 def draft_dir(s: dict, target: Path, work: Path, with_weights: bool, name: str = "draft") -> Path:
