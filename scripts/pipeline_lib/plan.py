@@ -2,7 +2,7 @@
 and GPU-hours per stage, and whether the bytes fit the free disk under results/.
 
 Estimates are upper bounds where the pipeline caps (every answer hits max_tokens, every row
-hits max_seq_len); the README says how far the demo's estimate was from the measured bytes.
+hits max_seq_len); docs/sizing.md explains each estimate and its assumptions.
 
 Hidden states can be kept three ways (hidden_states.mode / storage); the plan prices each, disk
 and GPU-hours, and says which fits when the configured one does not:
@@ -29,7 +29,7 @@ from .resources import stage_gpus, stage_resources
 from .stages import STAGES, plan_instances, trains_online, variant_config
 
 # Throughputs used where the config gives none and the target's parameter count is unknown:
-# per GPU, measured on one H200 with the demo's small targets (see README).
+# per GPU, measured on one H200 with the demo's small targets (2026-12-04; docs/results.md, GPU recipe).
 DEFAULT_THROUGHPUT = {
     "generation_tokens_per_s": 2000.0,
     "extraction_tokens_per_s": 40000.0,
