@@ -191,7 +191,9 @@ def variants(request, e2e, tmp_path_factory) -> dict:
     # e2e draft's acceptance for the changed verify setting; without `params` among the rerun
     # triggers it keeps it, so only the variants' jobs run (test_online_variant_runs_through_snakemake).
     cfg["verify"]["speedup_rounds"] = 0
-    proc = run_snakemake(work, cfg, "--rerun-triggers", "mtime", "input", "code", "software-env", *targets)
+    # The targets before the option: --rerun-triggers takes every word after it (the AVX2-capped
+    # numerics run, which names targets, failed with "invalid choice" on AVX-512 machines).
+    proc = run_snakemake(work, cfg, *targets, "--rerun-triggers", "mtime", "input", "code", "software-env")
     hs = instance_dirs(cfg, "fp8")["hidden_states"]
     return {"work": work, "r": r, "cfg": cfg, "log": proc.stdout + proc.stderr,
             "pipe": {"target": r / "target" / "model", "target_manifest": r / "target" / "manifest.json",
